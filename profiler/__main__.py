@@ -1,0 +1,3 @@
+from profiler.cli import app
+
+app(prog_name="rangeprof")

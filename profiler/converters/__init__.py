@@ -1,0 +1,13 @@
+"""Converters of our own for ONNX operators that TVM's Relax frontend lacks.
+
+Each converter is an ``OnnxOpConverter`` subclass (TVM's own convention: ``_impl_v<opset>``
+classmethods taking ``(bb, inputs, attr, params)`` and returning a Relax expression), listed here
+by ONNX op type. The importer consults this registry before TVM's map, so an entry here also
+overrides a stock converter.
+"""
+
+from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
+
+from .recurrent import GRU, LSTM
+
+CONVERTERS: dict[str, type[OnnxOpConverter]] = {"LSTM": LSTM, "GRU": GRU}

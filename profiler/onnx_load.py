@@ -1,0 +1,406 @@
+"""Loading an ONNX model for profiling: validate it, name its nodes, fix its input shapes and fold
+its shape computations, so that the Relax importer gets a static, self-contained model.
+
+Node names
+    A node's name is its profileID downstream, so every node of the main graph gets a unique,
+    non-empty name that depends only on the model file:
+
+    1. A name that occurs exactly once in the graph is kept.
+    2. Every other node, in graph order, starts from a base name: its own name, or
+       ``{op_type}_{k}`` when it has none, where ``k`` is its 0-based index among the graph's nodes
+       of that op type (named ones included).
+    3. It takes the base name if that is still free, else ``{base}_{n}`` with the smallest
+       ``n >= 1`` that is free. Names kept by rule 1 are never free.
+
+    Nodes inside subgraphs (``If``/``Loop`` bodies) keep their names.
+
+Folding and fates
+    With the input shapes fixed, onnxsim folds what the Relax importer needs static: values
+    computed from input shapes (a ``Shape`` chain into a ``Reshape`` target), integer arithmetic
+    on constants (shape-like values) and subgraphs fed only by ``Constant`` nodes. Float
+    computations on initializers (a weight's ``Transpose`` or ``Identity``) stay, for Relax's
+    constant folding, where lineage follows them. onnxsim's graph optimizer stays off, so
+    ``BatchNormalization`` and all other computing nodes survive with their names and output
+    tensors. Folded values become initializers, so every node of the loaded model is a node of
+    the original one. Each original node that folding removed, except ``Constant`` nodes (their
+    values simply become weights), gets a fate:
+
+    - ``folded_into:<name>``: ``<name>`` is the first surviving node, in the original graph order,
+      that consumes its outputs directly or through other removed nodes;
+    - ``eliminated:constant``: no surviving node consumes its value (say, a graph output that is
+      now a constant).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+import onnx
+import onnxsim
+from google.protobuf.message import DecodeError
+
+from profiler.errors import InputShapeError, InvalidModelError, UnsafeExternalDataError
+
+# onnx.helper writes its newest IR version (14 with onnx 1.23), which the onnxruntime inside
+# onnxsim may not read yet; folding runs at this version at most, which onnxruntime >= 1.20 reads.
+_FOLD_IR_VERSION = 10
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the Relax importer, with what loading learned about it."""
+
+    name: str
+    sha256: str  # of the .onnx bytes as given
+    model: onnx.ModelProto
+    input_shapes: dict[str, tuple[int, ...]]
+    input_dtypes: dict[str, str]  # numpy dtype names
+    opset: int  # of the default ONNX domain
+    fates: dict[str, str]  # removed node name -> fate (see the module docstring)
+
+
+def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """Parse a CLI value ``NAME=DIMS`` such as ``x=1x3x48x192``.
+
+    The split is on the last ``=``, as tensor names may contain ``=`` but dims never do.
+    """
+    name, sep, dims_text = text.rpartition("=")
+    dims = dims_text.split("x")
+    if not sep or not name or not all(d.isdecimal() and int(d) > 0 for d in dims):
+        raise InputShapeError(
+            f"malformed input shape {text!r}: expected NAME=DIMS with positive integer dims "
+            "separated by 'x', e.g. x=1x3x224x224"
+        )
+    return name, tuple(int(d) for d in dims)
+
+
+def load_model(
+    path: str | os.PathLike[str], input_shapes: Mapping[str, Sequence[int]] | None = None
+) -> LoadedModel:
+    """Load the ONNX file at ``path``; external data is read from its folder, and only from it."""
+    path = Path(path)
+    if not path.exists():
+        raise InvalidModelError(f"{path}: no such file")
+    if path.is_dir():
+        raise InvalidModelError(f"{path}: is a directory, not an ONNX file")
+    if not path.is_file():
+        raise InvalidModelError(f"{path}: not a regular file")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise InvalidModelError(f"{path}: cannot read the file: {err.strerror}") from err
+    return _load(data, path.stem, str(path), path.parent, input_shapes)
+
+
+def load_model_bytes(
+    data: bytes,
+    name: str,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    base_dir: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """Load an ONNX model from its bytes (an upload); ``name`` names it in messages and results.
+
+    External data is read from ``base_dir``; without one the model must keep all data inline.
+    """
+    return _load(data, name, name, None if base_dir is None else Path(base_dir), input_shapes)
+
+
+def _load(
+    data: bytes,
+    name: str,
+    source: str,
+    base_dir: Path | None,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+) -> LoadedModel:
+    model = _parse(data, source)
+    if _check_external_data(model, base_dir, source):
+        try:
+            onnx.load_external_data_for_model(model, str(base_dir))
+        except (OSError, ValueError, onnx.checker.ValidationError) as err:
+            raise InvalidModelError(f"{source}: cannot read external data: {_line(err)}") from err
+    inputs = _real_inputs(model.graph)
+    shapes = _resolve_shapes(inputs, input_shapes or {}, source)
+    # Before checking: the checker wants every input shaped, and folding wants them static.
+    for vi in inputs:
+        dims = vi.type.tensor_type.shape.dim
+        del dims[:]
+        for size in shapes[vi.name]:
+            dims.add(dim_value=size)
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as err:
+        raise InvalidModelError(f"{source}: invalid ONNX model: {_line(err)}") from err
+    opset = _default_opset(model, source)
+    dtypes = {vi.name: _dtype(vi, source) for vi in inputs}
+    _name_nodes(model.graph)
+    folded, fates = _fold(model, source)
+    return LoadedModel(
+        name=name,
+        sha256=hashlib.sha256(data).hexdigest(),
+        model=folded,
+        input_shapes=shapes,
+        input_dtypes=dtypes,
+        opset=opset,
+        fates=fates,
+    )
+
+
+def _line(err: BaseException) -> str:
+    """The first line of an error's text (onnx and onnxsim errors often span several)."""
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
+
+
+def _parse(data: bytes, source: str) -> onnx.ModelProto:
+    try:
+        model = onnx.load_model_from_string(data)
+    except DecodeError as err:
+        raise InvalidModelError(
+            f"{source}: not an ONNX model, or a truncated one (cannot parse the protobuf)"
+        ) from err
+    if not model.HasField("graph"):
+        raise InvalidModelError(f"{source}: not an ONNX model (no graph)")
+    if not model.graph.node:
+        raise InvalidModelError(f"{source}: not an ONNX model (the graph has no nodes)")
+    return model
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            sparse_tensors = [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []
+            for sparse in [*sparse_tensors, *attr.sparse_tensors]:
+                yield from (sparse.values, sparse.indices)
+            for subgraph in [attr.g] if attr.HasField("g") else attr.graphs:
+                yield from _graph_tensors(subgraph)
+
+
+def _check_external_data(model: onnx.ModelProto, base_dir: Path | None, source: str) -> bool:
+    """Check that every external-data reference stays inside ``base_dir`` and exists, before
+    anything is read; tell whether there are any."""
+    found = False
+    for tensor in _graph_tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        found = True
+        location = {e.key: e.value for e in tensor.external_data}.get("location", "")
+        what = f"external data {location!r} of tensor {tensor.name!r}"
+        if not location:
+            raise InvalidModelError(
+                f"{source}: tensor {tensor.name!r} has external data without a location"
+            )
+        relative = PurePath(os.path.normpath(location))
+        if relative.is_absolute() or relative.parts[:1] == ("..",):
+            raise UnsafeExternalDataError(f"{source}: {what} is outside the model's folder")
+        if base_dir is None:
+            raise InvalidModelError(
+                f"{source}: {what} cannot be read: the model came without its folder"
+            )
+        folder = base_dir.resolve()
+        target = (folder / relative).resolve()  # follows symlinks
+        if not target.is_relative_to(folder):
+            raise UnsafeExternalDataError(f"{source}: {what} resolves outside the model's folder")
+        if not target.is_file():
+            raise InvalidModelError(f"{source}: {what} not found")
+    return found
+
+
+def _default_opset(model: onnx.ModelProto, source: str) -> int:
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            return opset.version
+    raise InvalidModelError(f"{source}: the model does not import the default ONNX opset")
+
+
+def _real_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs fed at run time (old models also list their initializers as inputs)."""
+    weights = {t.name for t in graph.initializer} | {
+        s.values.name for s in graph.sparse_initializer
+    }
+    return [vi for vi in graph.input if vi.name not in weights]
+
+
+def _dims(vi: onnx.ValueInfoProto, source: str) -> list[int | None] | None:
+    """An input's dims, ``None`` where unknown; ``None`` for an unknown rank."""
+    if vi.type.WhichOneof("value") != "tensor_type":
+        raise InvalidModelError(f"{source}: input {vi.name!r} is not a tensor")
+    if not vi.type.tensor_type.HasField("shape"):
+        return None
+    return [
+        d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+        for d in vi.type.tensor_type.shape.dim
+    ]
+
+
+def _shape_text(dims: Sequence[int | None] | None) -> str:
+    if dims is None:
+        return "of unknown rank"
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def _resolve_shapes(
+    inputs: list[onnx.ValueInfoProto], given: Mapping[str, Sequence[int]], source: str
+) -> dict[str, tuple[int, ...]]:
+    names = [vi.name for vi in inputs]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise InputShapeError(
+            f"{source}: no input named {', '.join(map(repr, unknown))}; "
+            f"the model's inputs are {', '.join(map(repr, names))}"
+        )
+    shapes = {}
+    for vi in inputs:
+        dims = _dims(vi, source)
+        if vi.name in given:
+            shapes[vi.name] = _given_shape(vi.name, dims, given[vi.name], source)
+        elif dims is None or None in dims[1:]:
+            raise InputShapeError(
+                f"{source}: input {vi.name!r} has shape {_shape_text(dims)}, which is not static "
+                f"beyond the batch dim; pass --input-shape {vi.name}=DIMS"
+            )
+        else:
+            # An unknown first dim is the batch; profiling runs one sample at a time.
+            shapes[vi.name] = tuple(1 if d is None else d for d in dims)
+    return shapes
+
+
+def _given_shape(
+    name: str, dims: list[int | None] | None, value: Sequence[int], source: str
+) -> tuple[int, ...]:
+    try:
+        shape = tuple(operator.index(d) for d in value)
+        valid = all(d > 0 for d in shape)
+    except TypeError:
+        valid = False
+    if not valid:
+        raise InputShapeError(
+            f"{source}: input shape {value!r} for {name!r} is not positive integers"
+        )
+    if dims is not None and (
+        len(shape) != len(dims) or any(d not in (None, s) for d, s in zip(dims, shape, strict=True))
+    ):
+        raise InputShapeError(
+            f"{source}: input shape {list(shape)} for {name!r} does not fit its model shape "
+            f"{_shape_text(dims)}"
+        )
+    return shape
+
+
+def _dtype(vi: onnx.ValueInfoProto, source: str) -> str:
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type).name
+    except KeyError as err:
+        raise InvalidModelError(f"{source}: input {vi.name!r} has no numpy element type") from err
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    """Name every node of ``graph`` by the rule in the module docstring."""
+    counts = Counter(node.name for node in graph.node if node.name)
+    taken = {name for name, count in counts.items() if count == 1}
+    seen_of_op: Counter[str] = Counter()
+    for node in graph.node:
+        k = seen_of_op[node.op_type]
+        seen_of_op[node.op_type] += 1
+        if counts[node.name] == 1:
+            continue
+        base = node.name or f"{node.op_type}_{k}"
+        name, n = base, 0
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        taken.add(name)
+        node.name = name
+
+
+def _fold(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """The folded model (see the module docstring) and the fates of the nodes it lost."""
+    ir_version = model.ir_version
+    model.ir_version = min(ir_version, _FOLD_IR_VERSION)  # restored on the result below
+    try:
+        folded, _ = onnxsim.simplify(
+            model,
+            skip_fuse_bn=True,
+            perform_optimization=False,
+            initializers_as_constants=False,  # weights are Relax's to fold (see above)
+            certify=False,
+        )
+    except Exception as err:  # onnxsim passes on onnx, onnxruntime and its own C++ errors alike
+        raise InvalidModelError(f"{source}: cannot fold constants: {_line(err)}") from err
+    folded.ir_version = ir_version
+    # onnxsim logs its work in metadata_props; the fates below say the same per node.
+    del folded.metadata_props[:]
+    folded.metadata_props.extend(model.metadata_props)
+
+    original = {node.name: node for node in model.graph.node}
+    kept, created = [], []
+    for node in folded.graph.node:
+        before = original.get(node.name)
+        same = before is not None and (before.op_type, before.output) == (node.op_type, node.output)
+        (kept if same else created).append(node)
+    # With its optimizer off onnxsim removes no dead code, so constants that folding left unused
+    # stay behind; drop them.
+    used = {output.name for output in folded.graph.output}
+    for node in kept:
+        used |= _node_inputs(node)
+    del folded.graph.node[:]
+    folded.graph.node.extend(n for n in kept if n.op_type != "Constant" or used & set(n.output))
+    folded.graph.initializer.extend(_folded_value(n) for n in created if n.output[0] in used)
+    return folded, _fates(model.graph.node, {node.name for node in kept})
+
+
+def _node_inputs(node: onnx.NodeProto) -> set[str]:
+    """The tensors a node reads, including those its subgraphs read from the outer scope."""
+    names = set(node.input) - {""}  # "" marks an omitted optional input
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.HasField("g") else attr.graphs:
+            names.update(output.name for output in graph.output)
+            for inner in graph.node:
+                names |= _node_inputs(inner)
+    return names
+
+
+def _folded_value(node: onnx.NodeProto) -> onnx.TensorProto:
+    """The initializer for a ``Constant`` node that onnxsim created to hold a folded value."""
+    if node.op_type != "Constant" or [a.name for a in node.attribute] != ["value"]:
+        raise RuntimeError(f"onnxsim created an unexpected {node.op_type} node {node.name!r}")
+    tensor = onnx.TensorProto()
+    tensor.CopyFrom(node.attribute[0].t)
+    tensor.name = node.output[0]
+    return tensor
+
+
+def _fates(nodes: Sequence[onnx.NodeProto], kept: set[str]) -> dict[str, str]:
+    consumers: defaultdict[str, list[int]] = defaultdict(list)
+    for i, node in enumerate(nodes):
+        for name in _node_inputs(node):
+            consumers[name].append(i)
+    # The checker made sure the graph is topologically sorted, so one backward sweep finds, for
+    # every node, the first kept node its value reaches.
+    first_kept: list[int | None] = [None] * len(nodes)
+    for i in reversed(range(len(nodes))):
+        reached = [
+            j if nodes[j].name in kept else first_kept[j]
+            for output in nodes[i].output
+            if output
+            for j in consumers[output]
+        ]
+        first_kept[i] = min((j for j in reached if j is not None), default=None)
+    fates = {}
+    for i, node in enumerate(nodes):
+        if node.name in kept or node.op_type == "Constant":
+            continue
+        j = first_kept[i]
+        fates[node.name] = "eliminated:constant" if j is None else f"folded_into:{nodes[j].name}"
+    return fates

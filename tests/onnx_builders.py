@@ -1,0 +1,106 @@
+"""Small ONNX models built with onnx.helper for the identity and lineage tests.
+
+Every builder returns a ModelProto with seeded random float32 weights, opset 17, one input ``x``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _model(nodes, inits, x_shape, y_shape, name="test") -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y_shape))],
+        [numpy_helper.from_array(np.asarray(v, dtype=np.float32), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def save(model: onnx.ModelProto, folder: Path, name: str = "model.onnx") -> Path:
+    path = folder / name
+    onnx.save(model, path)
+    return path
+
+
+def gemm() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
+    return _model([node], {"w": rng.normal(size=(5, 8)), "b": rng.normal(size=5)}, (2, 8), (2, 5))
+
+
+def conv_bias() -> onnx.ModelProto:
+    rng = np.random.default_rng(1)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])
+    inits = {"w": rng.normal(size=(4, 3, 3, 3)), "b": rng.normal(size=4)}
+    return _model([node], inits, (1, 3, 6, 6), (1, 4, 6, 6))
+
+
+def _bn_inits(rng, channels: int, prefix: str = "bn") -> dict:
+    return {
+        f"{prefix}.g": rng.uniform(0.5, 1.5, channels),
+        f"{prefix}.b": rng.normal(size=channels),
+        f"{prefix}.m": rng.normal(size=channels),
+        f"{prefix}.v": rng.uniform(0.5, 2.0, channels),
+    }
+
+
+def _bn(inp: str, out: str, name: str, prefix: str = "bn"):
+    ins = [inp, f"{prefix}.g", f"{prefix}.b", f"{prefix}.m", f"{prefix}.v"]
+    return helper.make_node("BatchNormalization", ins, [out], name=name)
+
+
+def conv_bn_relu_scale(sign: float = 1.0) -> onnx.ModelProto:
+    """conv -> BN -> relu -> Mul(per-channel scale of the given sign), nothing after it."""
+    rng = np.random.default_rng(2)
+    inits = {"w": rng.normal(size=(4, 3, 3, 3)), **_bn_inits(rng, 4)}
+    inits["s"] = sign * rng.uniform(0.5, 2.0, (1, 4, 1, 1))
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        _bn("c", "n", "bn"),
+        helper.make_node("Relu", ["n"], ["r"], name="relu"),
+        helper.make_node("Mul", ["r", "s"], ["y"], name="scale"),
+    ]
+    return _model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))
+
+
+def scale_before_conv() -> onnx.ModelProto:
+    """Mul(per-channel scale, mixed signs) -> conv: the scale folds into the conv's weights."""
+    rng = np.random.default_rng(3)
+    inits = {"s": rng.normal(size=(1, 3, 1, 1)), "w": rng.normal(size=(4, 3, 3, 3))}
+    nodes = [
+        helper.make_node("Mul", ["x", "s"], ["m"], name="scale"),
+        helper.make_node("Conv", ["m", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+    ]
+    return _model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))
+
+
+def constant_subgraph() -> onnx.ModelProto:
+    """A weight computed at run time from constants (Transpose, Mul) feeding a MatMul."""
+    rng = np.random.default_rng(4)
+    inits = {"wt": rng.normal(size=(5, 8)), "k": np.float32(0.5)}
+    nodes = [
+        helper.make_node("Transpose", ["wt"], ["w"], name="transpose_w", perm=[1, 0]),
+        helper.make_node("Mul", ["w", "k"], ["w2"], name="halve_w"),
+        helper.make_node("MatMul", ["x", "w2"], ["y"], name="matmul"),
+    ]
+    return _model(nodes, inits, (2, 8), (2, 5))
+
+
+def unnamed_nodes() -> onnx.ModelProto:
+    """Three unnamed nodes, two of the same op type."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Sigmoid", ["a"], ["b"]),
+        helper.make_node("Relu", ["b"], ["y"]),
+    ]
+    return _model(nodes, {}, (2, 3), (2, 3))

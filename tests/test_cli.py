@@ -1,0 +1,96 @@
+"""The CLI: bad input gives one line naming the problem and exit code 2; --json is parseable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnx
+from onnx import TensorProto, helper
+from typer.testing import CliRunner
+
+from profiler.cli import app
+
+import onnx_builders as mb
+
+runner = CliRunner()
+
+
+def _fails_cleanly(args, *needles):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_missing_file(tmp_path):
+    _fails_cleanly(["inspect", str(tmp_path / "nope.onnx")], "nope.onnx")
+
+
+def test_directory_is_not_a_model(tmp_path):
+    _fails_cleanly(["inspect", str(tmp_path)], str(tmp_path))
+
+
+def test_not_onnx(tmp_path):
+    path = tmp_path / "notes.onnx"
+    path.write_text("this is not a protobuf\n" * 20)
+    _fails_cleanly(["inspect", str(path)], "notes.onnx")
+
+
+def test_truncated_protobuf(tmp_path):
+    data = mb.conv_bn_relu_scale().SerializeToString()
+    path = tmp_path / "cut.onnx"
+    path.write_bytes(data[: len(data) // 2])
+    _fails_cleanly(["inspect", str(path)], "cut.onnx")
+
+
+def test_every_unsupported_op_is_listed(tmp_path):
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="ok"),
+        helper.make_node("FancyOp", ["a"], ["b"], name="f1", domain="acme"),
+        helper.make_node("OtherOp", ["b"], ["y"], name="f2", domain="acme"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("acme", 1)]
+    )
+    path = tmp_path / "custom.onnx"
+    onnx.save(model, path)
+    _fails_cleanly(["inspect", str(path)], "FancyOp", "OtherOp")
+
+
+def test_bad_input_shape_argument(tmp_path):
+    path = mb.save(mb.gemm(), tmp_path)
+    _fails_cleanly(["inspect", str(path), "--input-shape", "x=2xbanana"], "2xbanana")
+
+
+def test_inspect_json_shape_and_determinism_across_processes(tmp_path):
+    path = mb.save(mb.conv_bn_relu_scale(), tmp_path)
+    cmd = [sys.executable, "-m", "profiler", "inspect", str(path), "--json"]
+    runs = [subprocess.run(cmd, capture_output=True, text=True, check=True) for _ in range(2)]
+    first, second = (json.loads(r.stdout) for r in runs)
+    assert first == second
+    assert set(first) == {"model", "layers", "stages"}
+    assert set(first["model"]) >= {"name", "sha256", "inputs"}
+    layer_keys = {"profile_id", "op", "source_node", "source_op", "source_tensor", "shape", "dtype"}
+    assert all(layer_keys <= set(layer) for layer in first["layers"])
+    for stage in first["stages"]:
+        assert set(stage) >= {"name", "bindings", "tracked", "ops", "lineage", "fates"}
+        assert stage["tracked"] == stage["bindings"]
+        assert len(stage["lineage"]) == stage["bindings"]
+
+
+def test_inspect_table(tmp_path):
+    path = mb.save(mb.gemm(), tmp_path)
+    result = runner.invoke(app, ["inspect", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "fc#1" in result.stdout and "fold_scale_axis" in result.stdout

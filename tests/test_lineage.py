@@ -1,0 +1,139 @@
+"""Lineage through every stage on small models: full coverage, absorption, fates, the check."""
+
+from __future__ import annotations
+
+import pytest
+import tvm
+from tvm import relax
+
+from profiler.lineage import stage_report, untracked_bindings, verify_lineage
+from profiler.stages import STAGE_NAMES
+from profiler.tracking import track_model
+
+import onnx_builders as mb
+
+BUILDERS = {
+    "gemm": mb.gemm,
+    "conv_bias": mb.conv_bias,
+    "conv_bn_relu_scale": mb.conv_bn_relu_scale,
+    "conv_bn_relu_negative_scale": lambda: mb.conv_bn_relu_scale(-1.0),
+    "scale_before_conv": mb.scale_before_conv,
+    "constant_subgraph": mb.constant_subgraph,
+}
+
+
+def _track(name, tmp_path):
+    return track_model(mb.save(BUILDERS[name](), tmp_path))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_every_binding_has_lineage_in_every_stage(name, tmp_path):
+    tracked = _track(name, tmp_path)
+    assert [s.name for s in tracked.stages] == list(STAGE_NAMES)
+    for stage in tracked.stages:
+        assert stage.report.bindings > 0
+        assert stage.report.tracked == stage.report.bindings, stage.name
+    assert tracked.problems() == []
+
+
+def _lineage_of_op(stage, op_prefix):
+    return [
+        set(stage.report.lineage[ref_key])
+        for ref_key, ops in _ops_by_key(stage).items()
+        if ops.startswith(op_prefix)
+    ]
+
+
+def _ops_by_key(stage):
+    from profiler.bindings import module_bindings, op_name
+
+    return {ref.key: op_name(ref.value) for ref in module_bindings(stage.mod)}
+
+
+def test_conv_absorbs_batch_norm_and_channel_scale(tmp_path):
+    tracked = _track("conv_bn_relu_scale", tmp_path)
+    folded = tracked.stage("fold_scale_axis")
+    (conv,) = _lineage_of_op(folded, "relax.nn.conv2d")
+    assert "conv" in conv and "scale" in conv
+    assert any(i.startswith("bn#") for i in conv)
+    assert not _lineage_of_op(folded, "relax.multiply")
+    assert not _lineage_of_op(folded, "relax.divide")
+
+
+def test_negative_scale_through_relu_does_not_fold(tmp_path):
+    tracked = _track("conv_bn_relu_negative_scale", tmp_path)
+    folded = tracked.stage("fold_scale_axis")
+    (mul,) = _lineage_of_op(folded, "relax.multiply")
+    assert mul == {"scale"}
+    (conv,) = _lineage_of_op(folded, "relax.nn.conv2d")
+    assert "scale" not in conv
+
+
+def test_scale_before_conv_folds_backward(tmp_path):
+    tracked = _track("scale_before_conv", tmp_path)
+    folded = tracked.stage("fold_scale_axis")
+    assert not _lineage_of_op(folded, "relax.multiply")
+    (conv,) = _lineage_of_op(folded, "relax.nn.conv2d")
+    assert conv == {"conv", "scale"}
+
+
+def test_constant_subgraph_folds_with_a_fate(tmp_path):
+    # The frontend computes Transpose and Mul of constants itself: the nodes and their weights
+    # are folded into the MatMul at import.
+    tracked = _track("constant_subgraph", tmp_path)
+    initial = tracked.stage("initial").report.fates
+    for lost in ("transpose_w", "halve_w", "weight:wt", "weight:k"):
+        assert initial[lost] == "folded_into:matmul"
+    # Relax's FoldConstant folds Gemm's weight transpose into a constant of the matmul.
+    tracked = _track("gemm", tmp_path)
+    folded = tracked.stage("fold_constant")
+    (matmul_key,) = [k for k, op in _ops_by_key(folded).items() if op == "relax.matmul"]
+    assert folded.report.fates["fc#0"] == f"folded_into:{matmul_key}"
+    assert folded.report.fates["weight:w"] == f"folded_into:{matmul_key}"
+    # Fates persist into later stages; nothing is alive and fated at once.
+    for stage in tracked.stages[3:]:
+        assert "fc#0" in stage.report.fates
+        alive = {i for lin in stage.report.lineage.values() for i in lin}
+        assert alive.isdisjoint(stage.report.fates)
+
+
+def test_fused_and_composite_functions_list_every_id_inside(tmp_path):
+    tracked = _track("conv_bn_relu_scale", tmp_path)
+    fused = tracked.stage("fuse_ops")
+    main = {k: set(v) for k, v in fused.report.lineage.items() if k.startswith("main/")}
+    # conv + bias + relu fuse into one kernel, which carries all the IDs they came from.
+    assert any({"conv", "relu", "scale"} <= lin for lin in main.values()), main
+
+    part = tracked.stage("partition")
+    calls = [
+        set(part.report.lineage[k])
+        for k, op in _ops_by_key(part).items()
+        if k.startswith("main/") and op.startswith("call:")
+    ]
+    assert any({"conv", "relu"} <= lin for lin in calls), calls
+
+
+def test_verify_lineage_reports_a_pass_that_drops_identity(tmp_path):
+    tracked = _track("conv_bias", tmp_path)
+    folded = tracked.stage("fold_scale_axis")
+    untracked = relax.transform.LegalizeOps()(folded.mod)  # not wrapped in Tracked
+    assert untracked_bindings(untracked)
+    report = stage_report("legalized", untracked, tracked.all_ids, folded.mod)
+    problems = verify_lineage([report], tracked.all_ids)
+    assert any("has no lineage" in p for p in problems)
+
+
+def test_stage_modules_still_compute_the_model(tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    model = mb.conv_bn_relu_scale()
+    tracked = track_model(mb.save(model, tmp_path))
+    x = np.random.default_rng(9).normal(size=(1, 3, 6, 6)).astype("float32")
+    (expected,) = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    for name in ("fold_scale_axis", "fuse_ops"):
+        ex = tvm.compile(tracked.stage(name).mod, target=target)
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
