@@ -28,3 +28,7 @@ class UnsafeExternalDataError(RangeprofError):
 
 class InputShapeError(RangeprofError):
     """An input shape given by the user is malformed or does not fit the model."""
+
+
+class ConversionError(RangeprofError):
+    """An ONNX node uses a feature (attribute, input form) its converter does not handle."""

@@ -10,6 +10,8 @@ then writes the resulting profileIDs onto the IR.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import dataclass, field
 
 import onnx
@@ -19,7 +21,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 
 from .bindings import function_bindings, op_name, tensor_dtype, tensor_shape
 from .converters import CONVERTERS
-from .errors import UnsupportedOperatorError
+from .errors import ConversionError, RangeprofError, UnsupportedOperatorError
 from .onnx_load import LoadedModel
 from .tagging import (
     INPUT_PREFIX,
@@ -75,14 +77,23 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
             raise UnsupportedOperatorError(missing)
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
-        if op_name in CONVERTERS:
-            convert = CONVERTERS[op_name].get_converter(opset)
-            sym = convert(self.bb, inputs, attrs, [self._nodes, self._params])
-            if isinstance(sym, relax.Expr):
-                sym = self.bb.normalize(sym)
-        else:
-            sym = super()._convert_operator(op_name, inputs, attrs, opset)
-        node = self._node_by_name.get(attrs["tvm_custom"]["name"])
+        node_name = attrs["tvm_custom"]["name"]
+        try:
+            if op_name in CONVERTERS:
+                convert = CONVERTERS[op_name].get_converter(opset)
+                sym = convert(self.bb, inputs, attrs, [self._nodes, self._params])
+                if isinstance(sym, relax.Expr):
+                    sym = self.bb.normalize(sym)
+            else:
+                sym = super()._convert_operator(op_name, inputs, attrs, opset)
+        except RangeprofError as err:
+            err.args = (f"node {node_name!r} ({op_name}): {err}",)
+            raise
+        except Exception as err:  # a stock converter rejecting this node's attributes or inputs
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            message = lines[0] if lines else type(err).__name__
+            raise ConversionError(f"node {node_name!r} ({op_name}): {message}") from err
+        node = self._node_by_name.get(node_name)
         # A graph output stays unbound so that emit_output binds it directly, without an alias.
         if node is not None and self._graph_outputs.isdisjoint(node.output):
             sym = self._bind(sym)
@@ -160,7 +171,9 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
     model = loaded.model
     graph = model.graph
     importer = _TrackingImporter(dict(loaded.input_shapes), dict(loaded.input_dtypes), graph)
-    mod = importer.from_onnx(graph, _opset(model))
+    # The stock importer prints the inputs of a node it fails on; the error we raise says it all.
+    with contextlib.redirect_stdout(io.StringIO()):
+        mod = importer.from_onnx(graph, _opset(model))
     func = mod["main"]
     tensors = importer._nodes
 

@@ -6,8 +6,9 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
 from profiler.cli import app
@@ -94,3 +95,46 @@ def test_inspect_table(tmp_path):
     result = runner.invoke(app, ["inspect", str(path)])
     assert result.exit_code == 0, result.output
     assert "fc#1" in result.stdout and "fold_scale_axis" in result.stdout
+
+
+def test_converter_rejection_names_the_node(tmp_path):
+    rng = np.random.default_rng(0)
+    inits = {
+        "W": rng.normal(size=(1, 8, 3)).astype("float32"),
+        "R": rng.normal(size=(1, 8, 2)).astype("float32"),
+    }
+    node = helper.make_node(
+        "LSTM",
+        ["x", "W", "R"],
+        ["y"],
+        name="rnn",
+        hidden_size=2,
+        activations=["LeakyRelu", "Tanh", "Tanh"],
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 1, 1, 2])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    model.ir_version = 8
+    path = tmp_path / "rnn.onnx"
+    onnx.save(model, path)
+    _fails_cleanly(["inspect", str(path)], "'rnn'", "LSTM", "LeakyRelu")
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path):
+    model = mb.gemm()
+    weight = next(t for t in model.graph.initializer if t.name == "w")
+    weight.ClearField("raw_data")
+    weight.ClearField("float_data")
+    weight.data_location = TensorProto.EXTERNAL
+    entry = weight.external_data.add()
+    entry.key, entry.value = "location", "../secrets.bin"
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (tmp_path / "secrets.bin").write_bytes(b"\0" * 160)
+    path = mb.save(model, folder)
+    _fails_cleanly(["inspect", str(path)], "secrets.bin")

@@ -20,8 +20,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx.onnx_frontend import ONNXGraphImporter, _get_convert_map, onnx_input
 
 from profiler.converters import CONVERTERS
-from profiler.converters.recurrent import UnsupportedRecurrentError
-from profiler.errors import RangeprofError
+from profiler.errors import ConversionError, RangeprofError
 
 SEQ, BATCH, INPUT, HIDDEN = 5, 2, 3, 4
 OPSET = 14
@@ -313,7 +312,7 @@ def test_lstm_feeding_matmul_add():
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"activations": ["LeakyRelu", "Tanh", "Tanh"]}, NotImplementedError, "LeakyRelu"),
+        ({"activations": ["LeakyRelu", "Tanh", "Tanh"]}, ConversionError, "LeakyRelu"),
         ({"sequence_lens": [SEQ, SEQ - 2]}, RangeprofError, "sequence_lens"),
         ({"direction": "sideways"}, RangeprofError, "direction"),
         (
@@ -334,13 +333,13 @@ def test_runtime_sequence_lens_and_dynamic_length_raise():
     seq_lens = next(t for t in model.graph.initializer if t.name == "seq_lens")
     model.graph.initializer.remove(seq_lens)
     model.graph.input.append(helper.make_tensor_value_info("seq_lens", TensorProto.INT32, [BATCH]))
-    with pytest.raises(UnsupportedRecurrentError, match="run time"):
+    with pytest.raises(ConversionError, match="run time"):
         _convert(model)
 
     model, _ = _rnn_model("GRU")
     x_dims = model.graph.input[0].type.tensor_type.shape.dim
     x_dims[0].dim_param = "seq"
-    with pytest.raises(UnsupportedRecurrentError, match="sequence length must be static"):
+    with pytest.raises(ConversionError, match="sequence length must be static"):
         _convert(model)
 
 

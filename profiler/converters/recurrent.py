@@ -30,7 +30,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter, get_constant
 
-from profiler.errors import InvalidModelError, RangeprofError
+from profiler.errors import ConversionError, InvalidModelError
 
 Expr = relax.Expr
 Activation = Callable[[Expr], Expr]
@@ -43,10 +43,6 @@ _ACTIVATIONS: dict[str, Activation] = {
 _DIRECTIONS = {"forward": 1, "reverse": 1, "bidirectional": 2}
 # Input positions (LSTM adds initial_c at 6 and the peepholes P at 7).
 _X, _W, _R, _B, _SEQUENCE_LENS, _INITIAL_H, _INITIAL_C, _P = range(8)
-
-
-class UnsupportedRecurrentError(RangeprofError, NotImplementedError):
-    """An LSTM/GRU node uses a feature these converters do not implement."""
 
 
 def _text(value: str | bytes) -> str:
@@ -64,7 +60,7 @@ def _is_zero(value: Expr | None) -> bool:
 def _static_shape(value: Expr, what: str, op: str) -> tuple[int, ...]:
     shape = value.ty.shape
     if shape is None or not all(isinstance(s, tvm.tirx.IntImm) for s in shape):
-        raise UnsupportedRecurrentError(f"{op}: {what} needs a static shape, got {shape}")
+        raise ConversionError(f"{op}: {what} needs a static shape, got {shape}")
     return tuple(int(s) for s in shape)
 
 
@@ -120,7 +116,7 @@ def _activations(attr: dict, defaults: tuple[str, ...], num_directions: int, op:
         )
     unknown = sorted({n for n in names if n.lower() not in _ACTIVATIONS})
     if unknown:
-        raise UnsupportedRecurrentError(
+        raise ConversionError(
             f"{op}: activation(s) {', '.join(unknown)} not supported "
             "(supported: Sigmoid, Tanh, Relu)"
         )
@@ -220,7 +216,7 @@ class _Recurrent(OnnxOpConverter):
         x_shape = inputs[_X].ty.shape
         seq_len = None if x_shape is None else x_shape[layout]
         if not isinstance(seq_len, tvm.tirx.IntImm):
-            raise UnsupportedRecurrentError(
+            raise ConversionError(
                 f"{op}: the sequence length must be static to unroll the recurrence, got X of "
                 f"shape {x_shape}"
             )
@@ -229,12 +225,12 @@ class _Recurrent(OnnxOpConverter):
         if lens is not None:
             lens = get_constant(lens, params)
             if not isinstance(lens, tvm.ir.GenericConst):
-                raise UnsupportedRecurrentError(
+                raise ConversionError(
                     f"{op}: sequence_lens computed at run time is not supported, only a constant "
                     "equal to the sequence length"
                 )
             if not np.all(lens.value.numpy() == seq_len):
-                raise UnsupportedRecurrentError(
+                raise ConversionError(
                     f"{op}: sequence_lens {lens.value.numpy().tolist()} differing from the "
                     f"sequence length {seq_len} (padded batches) is not supported"
                 )
