@@ -21,6 +21,8 @@ from tvm.relax.frontend.onnx.onnx_frontend import ONNXGraphImporter, _get_conver
 
 from profiler.converters import CONVERTERS
 from profiler.errors import ConversionError, RangeprofError
+from profiler.importer import import_onnx
+from profiler.onnx_load import load_model
 
 SEQ, BATCH, INPUT, HIDDEN = 5, 2, 3, 4
 OPSET = 14
@@ -354,12 +356,10 @@ def test_registered():
 )
 def test_project_importer_end_to_end(tmp_path, op, options):
     """Through the project's loader and importer: the node's weights keep their profileIDs."""
-    importer = pytest.importorskip("profiler.importer")
-    onnx_load = pytest.importorskip("profiler.onnx_load")
     model, feeds = _rnn_model(op, direction="bidirectional", initial="input", **options)
     path = tmp_path / "rnn.onnx"
     onnx.save(model, path)
-    imported = importer.import_onnx(onnx_load.load_model(path))
+    imported = import_onnx(load_model(path))
 
     ids = {layer.profile_id for layer in imported.layers}
     weights = {"weight:W", "weight:R", "weight:B"} | ({"weight:P"} if op == "LSTM" else set())

@@ -7,7 +7,6 @@ compiled before and after the pass and compared to each other and to onnxruntime
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -25,7 +24,8 @@ from profiler.passes.fold_scale_axis import (
 )
 from profiler.spans import ids_of, with_ids
 
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
+from conftest import zoo_model
+
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 # Folding rounds W*a to float32 once instead of rounding each op's output, so results differ by
 # a few ulp of the magnitudes summed into each output, not of the output itself: outputs near
@@ -425,11 +425,8 @@ def test_primitive_functions_are_left_alone():
 
 # --- shared models -------------------------------------------------------------------------
 
-needs_zoo = pytest.mark.skipif(not MODELS.is_dir(), reason=f"{MODELS} is absent")
-
 
 @pytest.mark.zoo
-@needs_zoo
 @pytest.mark.parametrize(
     "name, shape",
     [
@@ -439,7 +436,7 @@ needs_zoo = pytest.mark.skipif(not MODELS.is_dir(), reason=f"{MODELS} is absent"
     ],
 )
 def test_zoo_batch_norms_and_scales_all_fold(name, shape):
-    model = onnx.load(MODELS / f"{name}.onnx")
+    model = onnx.load(zoo_model(name))
     before = _tag(_prepare(model, {model.graph.input[0].name: shape}))
     after = FoldScaleAxis()(before)
     relax.analysis.well_formed(after)

@@ -16,14 +16,7 @@ from tvm.relax.frontend.onnx import from_onnx
 from profiler.errors import InputShapeError, InvalidModelError, UnsafeExternalDataError
 from profiler.onnx_load import load_model, load_model_bytes, parse_input_shape
 
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
-ZOO_SHAPES = {
-    "resnet18": None,
-    "mobilenet_v2": None,
-    "tiny_bert": None,
-    "digits_cnn": None,
-    "ppocr_cls": {"x": (1, 3, 48, 192)},
-}
+from conftest import ZOO_SHAPES, zoo_model
 
 
 def _model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
@@ -368,13 +361,6 @@ def test_folding_fates(tmp_path):
 # --- the shared model zoo ----------------------------------------------------------------------
 
 
-def _zoo(name: str) -> Path:
-    path = MODELS / f"{name}.onnx"
-    if not path.exists():
-        pytest.skip(f"shared model zoo not available ({path})")
-    return path
-
-
 def _random_inputs(lm) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds = {}
@@ -395,7 +381,7 @@ def _count(model: onnx.ModelProto, op_type: str) -> int:
 def test_zoo_loads_imports_and_matches(name):
     import onnxruntime as ort
 
-    path = _zoo(name)
+    path = zoo_model(name)
     lm = load_model(path, ZOO_SHAPES[name])
     original = onnx.load(path)
     names = [node.name for node in lm.model.graph.node]
@@ -414,7 +400,7 @@ def test_zoo_loads_imports_and_matches(name):
 
 @pytest.mark.zoo
 def test_zoo_truncated(tmp_path):
-    data = _zoo("digits_cnn").read_bytes()
+    data = zoo_model("digits_cnn").read_bytes()
     path = tmp_path / "digits_cnn.onnx"
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(InvalidModelError, match="truncated"):
@@ -423,7 +409,7 @@ def test_zoo_truncated(tmp_path):
 
 @pytest.mark.zoo
 def test_zoo_ppocr_needs_a_shape_and_folds_its_reshape_target():
-    path = _zoo("ppocr_cls")
+    path = zoo_model("ppocr_cls")
     with pytest.raises(InputShapeError, match="--input-shape x=DIMS"):
         load_model(path)
     lm = load_model(path, ZOO_SHAPES["ppocr_cls"])
