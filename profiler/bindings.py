@@ -69,6 +69,21 @@ def module_bindings(mod: tvm.IRModule) -> Iterator[BindingRef]:
         yield from function_bindings(name, func)
 
 
+def used_vars(value: relax.Expr) -> list[relax.Var]:
+    """Vars a binding value reads directly (through tuples; not into nested functions)."""
+    if isinstance(value, relax.Var):
+        return [value]
+    if isinstance(value, tvm.ir.Call):
+        return [v for a in value.args for v in used_vars(a)]
+    if isinstance(value, relax.Tuple):
+        return [v for f in value.fields for v in used_vars(f)]
+    if isinstance(value, relax.TupleGetItem):
+        return used_vars(value.tuple_value)
+    if isinstance(value, relax.If):
+        return used_vars(value.cond)
+    return []
+
+
 def op_name(value: relax.Expr) -> str:
     """A short, readable name for what a binding computes."""
     if isinstance(value, tvm.ir.Call):

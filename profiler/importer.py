@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from .bindings import function_bindings, op_name, tensor_dtype, tensor_shape
+from .bindings import function_bindings, op_name, tensor_dtype, tensor_shape, used_vars
 from .converters import CONVERTERS
 from .errors import ConversionError, RangeprofError, UnsupportedOperatorError
 from .onnx_load import LoadedModel
@@ -114,21 +114,6 @@ def _opset(model: onnx.ModelProto) -> int:
     return 1
 
 
-def _vars_in(expr) -> list[relax.Var]:
-    """Vars used directly by a binding value (through tuples, not into nested functions)."""
-    if isinstance(expr, relax.Var):
-        return [expr]
-    if isinstance(expr, tvm.ir.Call):
-        return [v for a in expr.args for v in _vars_in(a)]
-    if isinstance(expr, relax.Tuple):
-        return [v for f in expr.fields for v in _vars_in(f)]
-    if isinstance(expr, relax.TupleGetItem):
-        return _vars_in(expr.tuple_value)
-    if isinstance(expr, relax.If):
-        return _vars_in(expr.cond)
-    return []
-
-
 def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict) -> dict:
     """Maps each binding Var of ``func`` to the ONNX node it was built for.
 
@@ -156,7 +141,7 @@ def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict)
             if not isinstance(var, relax.Var) or var not in value_of or var in owner:
                 continue
             owner[var] = node.name
-            stack += _vars_in(value_of[var])
+            stack += used_vars(value_of[var])
     previous = None
     for ref in refs:
         if ref.var in owner:

@@ -29,33 +29,18 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from .bindings import BindingRef, function_bindings, module_bindings, op_name, relax_functions
+from .bindings import (
+    BindingRef,
+    function_bindings,
+    module_bindings,
+    op_name,
+    relax_functions,
+    used_vars,
+)
 from .spans import ids_of, with_ids
 from .tagging import INPUT_PREFIX
 
 Lineage = frozenset[str]
-
-
-def _uses(value) -> list[relax.Var]:
-    """Vars a binding value reads (not descending into nested functions)."""
-    found: list[relax.Var] = []
-
-    def visit(expr):
-        if isinstance(expr, relax.Var):
-            found.append(expr)
-        elif isinstance(expr, tvm.ir.Call):
-            for arg in expr.args:
-                visit(arg)
-        elif isinstance(expr, relax.Tuple):
-            for item in expr.fields:
-                visit(item)
-        elif isinstance(expr, relax.TupleGetItem):
-            visit(expr.tuple_value)
-        elif isinstance(expr, relax.If):
-            visit(expr.cond)
-
-    visit(value)
-    return found
 
 
 def _constants(value) -> list[tvm.ir.GenericConst]:
@@ -187,7 +172,7 @@ def _restore_function(func, known, func_ids, merged) -> relax.Function:
     if pending:
         consumers: dict[relax.Var, list[relax.Var]] = {}
         for ref in refs:
-            for used in _uses(ref.value):
+            for used in used_vars(ref.value):
                 consumers.setdefault(used, []).append(ref.var)
         for ref in reversed(pending):
             lineage[ref.var] = frozenset().union(
@@ -196,7 +181,7 @@ def _restore_function(func, known, func_ids, merged) -> relax.Function:
         for ref in pending:
             if not lineage[ref.var]:
                 lineage[ref.var] = frozenset().union(
-                    *(lineage.get(u, known.get(u, frozenset())) for u in _uses(ref.value))
+                    *(lineage.get(u, known.get(u, frozenset())) for u in used_vars(ref.value))
                 )
 
     def rewrite_seq(seq: relax.SeqExpr) -> relax.SeqExpr:
@@ -331,7 +316,7 @@ def _fates(lost, previous, current, cur_table) -> dict[str, str]:
     consumers: dict[relax.Var, list[BindingRef]] = {}
     const_consumers: dict[str, list[BindingRef]] = {}
     for ref, _ in prev_table.values():
-        for used in _uses(ref.value):
+        for used in used_vars(ref.value):
             consumers.setdefault(used, []).append(ref)
         for const in _constants(ref.value):
             for i in ids_of(const):
@@ -363,7 +348,7 @@ def _fates(lost, previous, current, cur_table) -> dict[str, str]:
         target = next((t for t in map(surviving, holders) if t), None)
         if target is not None:
             fates[lost_id] = f"folded_into:{target}"
-        elif holders and all(not _uses(h.value) for h in holders):
+        elif holders and all(not used_vars(h.value) for h in holders):
             fates[lost_id] = "eliminated:constant"
         else:
             fates[lost_id] = "eliminated:dead"

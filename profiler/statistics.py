@@ -1,0 +1,301 @@
+"""Per-tensor statistics as typed records with an exact, associative, commutative merge.
+
+Profiling data in shards and merging the shards' records in any order gives records identical
+to a single pass, bit for bit. That needs care in two places:
+
+* **Sums** (for mean and std) are kept as exact integers in units of 2**-1074, the granularity
+  of float64, so adding partial sums is exact. Each run (one executor call on one batch)
+  contributes its float64 sum, computed by numpy from that batch alone; shards that split the
+  data on batch boundaries therefore produce the same partial sums and the same totals.
+* **Histograms** have a fixed bin count and power-of-two bin widths, with bins aligned to
+  multiples of the width. The exponent and first bin are a function of the data's min and max
+  only (:func:`canonical_exponent`): the smallest exponent at which ``[min, max]`` fits in the
+  bins. Coarsening from exponent ``e`` to ``e + k`` maps bin ``i`` to ``i >> k`` exactly, so a
+  merge re-bins both sides to the canonical exponent of their union without any loss: the result
+  is the histogram one pass over all the data would have built.
+
+Only finite values enter min, max, moments and histograms; NaN and inf are counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+DEFAULT_BINS = 2048
+# Bin widths never go below 2**-160 (under float32's smallest subnormal), and bin indices stay
+# below 2**52 so that float64 computes them exactly.
+_MIN_EXPONENT = -160
+_INDEX_BITS = 52
+_SUM_SHIFT = 1074  # exact sums are integers in units of 2**-1074
+
+
+def _exact(value: float) -> int:
+    """A finite float64 as an integer in units of 2**-1074 (exact)."""
+    num, den = float(value).as_integer_ratio()
+    return num * ((1 << _SUM_SHIFT) // den)
+
+
+def canonical_exponent(vmin: float, vmax: float, bins: int) -> int:
+    """Smallest exponent ``e`` with ``[vmin, vmax]`` spanning at most ``bins`` bins of width
+    ``2**e`` (and bin indices below 2**52). Monotone in the data range, hence merge-consistent."""
+    exponent = _MIN_EXPONENT
+    magnitude = max(abs(vmin), abs(vmax))
+    if magnitude > 0:
+        exponent = max(exponent, math.frexp(magnitude)[1] - _INDEX_BITS)
+    span = vmax - vmin
+    if span > 0:
+        exponent = max(exponent, math.frexp(span / bins)[1] - 1)
+    while math.floor(math.ldexp(vmax, -exponent)) - math.floor(math.ldexp(vmin, -exponent)) >= bins:
+        exponent += 1
+    return exponent
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts of finite values in bins ``[(offset + k) * w, (offset + k + 1) * w)``, w = 2**exponent.
+
+    ``counts`` starts at the bin holding the minimum and ends at the bin holding the maximum;
+    ``bins`` is the capacity that fixes the exponent.
+    """
+
+    bins: int
+    exponent: int
+    offset: int
+    counts: tuple[int, ...]
+
+    @property
+    def width(self) -> float:
+        return math.ldexp(1.0, self.exponent)
+
+    @property
+    def lo(self) -> float:
+        return math.ldexp(float(self.offset), self.exponent)
+
+    @property
+    def hi(self) -> float:
+        return math.ldexp(float(self.offset + len(self.counts)), self.exponent)
+
+    def edges(self) -> np.ndarray:
+        """Bin edges (``len(counts) + 1`` values)."""
+        idx = np.arange(self.offset, self.offset + len(self.counts) + 1, dtype=np.float64)
+        return np.ldexp(idx, self.exponent)
+
+    @classmethod
+    def of(cls, finite: np.ndarray, vmin: float, vmax: float, bins: int) -> Histogram:
+        """Histogram of an array of finite values whose min and max are given."""
+        exponent = canonical_exponent(vmin, vmax, bins)
+        offset = math.floor(math.ldexp(vmin, -exponent))
+        scaled = np.ldexp(np.asarray(finite, dtype=np.float64).ravel(), -exponent)  # exact
+        index = np.floor(scaled, out=scaled).astype(np.int64) - offset
+        length = math.floor(math.ldexp(vmax, -exponent)) - offset + 1
+        counts = np.bincount(index, minlength=length)
+        return cls(bins, exponent, offset, tuple(int(c) for c in counts))
+
+    def rebinned(self, exponent: int, offset: int, length: int) -> np.ndarray:
+        """Counts at a coarser (or equal) exponent, as ``length`` bins from ``offset``."""
+        shift = exponent - self.exponent
+        index = (np.arange(len(self.counts), dtype=np.int64) + self.offset) >> shift
+        return np.bincount(index - offset, weights=self.counts, minlength=length)[:length]
+
+    def merge(self, other: Histogram, vmin: float, vmax: float) -> Histogram:
+        """The histogram of both sides' data, whose overall min and max are given."""
+        if self.bins != other.bins:
+            raise ValueError(f"cannot merge histograms of {self.bins} and {other.bins} bins")
+        exponent = canonical_exponent(vmin, vmax, self.bins)
+        offset = math.floor(math.ldexp(vmin, -exponent))
+        length = math.floor(math.ldexp(vmax, -exponent)) - offset + 1
+        total = self.rebinned(exponent, offset, length) + other.rebinned(exponent, offset, length)
+        return Histogram(self.bins, exponent, offset, tuple(int(c) for c in total))
+
+    def to_json(self) -> dict:
+        return {
+            "bins": self.bins,
+            "exponent": self.exponent,
+            "offset": self.offset,
+            "lo": self.lo,
+            "hi": self.hi,
+            "counts": list(self.counts),
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Histogram:
+        return cls(doc["bins"], doc["exponent"], doc["offset"], tuple(doc["counts"]))
+
+
+@dataclass(frozen=True)
+class ChannelRange:
+    """Per-channel min and max of finite values along ``axis``."""
+
+    axis: int
+    min: tuple[float, ...]
+    max: tuple[float, ...]
+
+    def merge(self, other: ChannelRange) -> ChannelRange:
+        if self.axis != other.axis or len(self.min) != len(other.min):
+            raise ValueError("cannot merge per-channel ranges of different layouts")
+        return ChannelRange(
+            self.axis,
+            tuple(_fmin(a, b) for a, b in zip(self.min, other.min, strict=True)),
+            tuple(_fmax(a, b) for a, b in zip(self.max, other.max, strict=True)),
+        )
+
+    def to_json(self) -> dict:
+        return {"axis": self.axis, "min": list(self.min), "max": list(self.max)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ChannelRange:
+        return cls(doc["axis"], tuple(doc["min"]), tuple(doc["max"]))
+
+
+def _fmin(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _fmax(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Everything recorded about one tensor; :meth:`merge` is exact (see the module doc)."""
+
+    count: int = 0
+    nan_count: int = 0
+    inf_count: int = 0
+    min: float | None = None
+    max: float | None = None
+    sum: int = 0  # exact, units of 2**-1074
+    sum_sq: int = 0
+    histogram: Histogram | None = None
+    per_channel: ChannelRange | None = field(default=None)
+
+    @property
+    def finite_count(self) -> int:
+        return self.count - self.nan_count - self.inf_count
+
+    @property
+    def mean(self) -> float | None:
+        n = self.finite_count
+        return float(Fraction(self.sum, n << _SUM_SHIFT)) if n else None
+
+    @property
+    def std(self) -> float | None:
+        n = self.finite_count
+        if not n:
+            return None
+        mean = Fraction(self.sum, n << _SUM_SHIFT)
+        var = Fraction(self.sum_sq, n << _SUM_SHIFT) - mean * mean
+        return math.sqrt(max(float(var), 0.0))
+
+    @classmethod
+    def observe(
+        cls,
+        values: np.ndarray,
+        bins: int | None = DEFAULT_BINS,
+        channel_axis: int | None = None,
+    ) -> TensorStats:
+        """Statistics of one array (one run's value of a tensor)."""
+        flat = values.reshape(-1)
+        wide = flat.astype(np.float64)
+        total = wide.sum()
+        nan_count = inf_count = 0
+        finite = flat
+        if not math.isfinite(total):
+            nan_mask = np.isnan(flat)
+            inf_mask = np.isinf(flat)
+            nan_count, inf_count = int(nan_mask.sum()), int(inf_mask.sum())
+            finite = flat[~(nan_mask | inf_mask)]
+            wide = finite.astype(np.float64)
+            total = wide.sum()
+        if finite.size == 0:
+            return cls(count=flat.size, nan_count=nan_count, inf_count=inf_count)
+        vmin, vmax = float(finite.min()), float(finite.max())
+        sum_sq = np.dot(wide, wide)
+        if not math.isfinite(sum_sq):  # float32 squares overflow float64 only past 1e154
+            sum_sq = math.fsum(float(v) * float(v) for v in finite)
+        histogram = Histogram.of(finite, vmin, vmax, bins) if bins else None
+        per_channel = None
+        if channel_axis is not None:
+            per_channel = _channel_range(values, channel_axis, nan_count + inf_count > 0)
+        return cls(
+            count=flat.size,
+            nan_count=nan_count,
+            inf_count=inf_count,
+            min=vmin,
+            max=vmax,
+            sum=_exact(total),
+            sum_sq=_exact(sum_sq),
+            histogram=histogram,
+            per_channel=per_channel,
+        )
+
+    def merge(self, other: TensorStats) -> TensorStats:
+        vmin, vmax = _fmin(self.min, other.min), _fmax(self.max, other.max)
+        if self.histogram is None or other.histogram is None:
+            histogram = self.histogram or other.histogram
+        else:
+            histogram = self.histogram.merge(other.histogram, vmin, vmax)
+        if self.per_channel is None or other.per_channel is None:
+            per_channel = self.per_channel or other.per_channel
+        else:
+            per_channel = self.per_channel.merge(other.per_channel)
+        return TensorStats(
+            count=self.count + other.count,
+            nan_count=self.nan_count + other.nan_count,
+            inf_count=self.inf_count + other.inf_count,
+            min=vmin,
+            max=vmax,
+            sum=self.sum + other.sum,
+            sum_sq=self.sum_sq + other.sum_sq,
+            histogram=histogram,
+            per_channel=per_channel,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "min": self.min,
+            "max": self.max,
+            "mean": self.mean,
+            "std": self.std,
+            "count": self.count,
+            "nan_count": self.nan_count,
+            "inf_count": self.inf_count,
+            "moments": {"sum": hex(self.sum), "sum_sq": hex(self.sum_sq), "unit_exponent": -1074},
+            "histogram": self.histogram.to_json() if self.histogram else None,
+            "per_channel": self.per_channel.to_json() if self.per_channel else None,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> TensorStats:
+        moments = doc["moments"]
+        return cls(
+            count=doc["count"],
+            nan_count=doc["nan_count"],
+            inf_count=doc["inf_count"],
+            min=doc["min"],
+            max=doc["max"],
+            sum=int(moments["sum"], 16),
+            sum_sq=int(moments["sum_sq"], 16),
+            histogram=Histogram.from_json(doc["histogram"]) if doc.get("histogram") else None,
+            per_channel=(
+                ChannelRange.from_json(doc["per_channel"]) if doc.get("per_channel") else None
+            ),
+        )
+
+
+def _channel_range(values: np.ndarray, axis: int, has_nonfinite: bool) -> ChannelRange:
+    axes = tuple(i for i in range(values.ndim) if i != axis)
+    if has_nonfinite:
+        masked = np.where(np.isfinite(values), values, np.nan)
+        lo, hi = np.nanmin(masked, axis=axes), np.nanmax(masked, axis=axes)
+    else:
+        lo, hi = values.min(axis=axes), values.max(axis=axes)
+    return ChannelRange(axis, _floats(lo), _floats(hi))
+
+
+def _floats(values: np.ndarray) -> tuple[float | None, ...]:
+    return tuple(None if math.isnan(v) else float(v) for v in values)
