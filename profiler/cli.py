@@ -90,3 +90,66 @@ def inspect(
             stage["name"], str(stage["bindings"]), str(stage["tracked"]), str(len(stage["fates"]))
         )
     out.print(stages)
+
+
+@app.command()
+def profile(
+    model: Annotated[Path, typer.Argument(help="ONNX model file.")],
+    data: Annotated[
+        str,
+        typer.Option(
+            help="Calibration data: FILE.npz[:KEY[,KEY...]], FILE.npy, a folder of images, "
+            "or 'random'."
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="Where to write the profile JSON.")],
+    input_shape: InputShapes = None,
+    bins: Annotated[int, typer.Option(help="Histogram bins (0: no histograms).")] = 2048,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(help="Samples per executor run (default: the model's batch, else 1)."),
+    ] = None,
+    samples: Annotated[int | None, typer.Option(help="Use at most this many samples.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for --data random.")] = 0,
+    preprocess: Annotated[
+        str | None,
+        typer.Option(
+            help="Image preprocessing, e.g. 'size=48x192,mean=0.5,0.5,0.5,std=0.5,0.5,0.5'."
+        ),
+    ] = None,
+) -> None:
+    """Run calibration data through the instrumented FP32 model and write the profile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from .data import parse_preprocess
+    from .profiling import ProfileOptions, profile_model
+
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    try:
+        if bins < 0:
+            raise RangeprofError(f"--bins {bins} is negative")
+        options = ProfileOptions(bins=bins, batch_size=batch_size, samples=samples, seed=seed)
+        spec = parse_preprocess(preprocess) if preprocess else None
+        with Progress(*columns, console=_err, transient=True) as bar:
+            task = bar.add_task("compiling", total=None)
+
+            def advance(done: int, total: int) -> None:
+                bar.update(task, description="profiling", completed=done, total=total)
+
+            doc = profile_model(
+                model,
+                data,
+                input_shapes=_shapes(input_shape),
+                options=options,
+                preprocess=spec,
+                progress=advance,
+            )
+    except RangeprofError as err:
+        raise _fail(err) from None
+    out.write_text(json.dumps(doc, indent=1))
+    run = doc["run"]
+    _err.print(
+        f"profiled {len(doc['tensors'])} tensors on {run['samples']} samples "
+        f"in {run['timings']['total_s']:.1f}s -> {out}",
+        highlight=False,
+    )

@@ -124,7 +124,7 @@ def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict)
     """
     refs = list(function_bindings("main", func))
     value_of = {r.var: r.value for r in refs}
-    var_of_value = {r.value: r.var for r in refs}
+    var_of_value = {r.value: r.var for r in refs if not isinstance(r.value, relax.Var)}
     owner: dict[relax.Var, str] = {}
     for node in graph.node:
         stack = []
@@ -171,7 +171,9 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
             if isinstance(expr, relax.Var):
                 tensor_of_var.setdefault(expr, name)
 
-    refs = list(function_bindings("main", func))
+    # A binding of a bare Var (a graph output that is an Identity of another value) is a rename,
+    # not a computation: its lineage is that of the Var, and it gets no profileID of its own.
+    refs = [r for r in function_bindings("main", func) if not isinstance(r.value, relax.Var)]
     # Graph outputs were bound by emit_output: find them by value.
     output_vars = {r.value: r.var for r in refs}
     for out in graph.output:

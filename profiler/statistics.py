@@ -56,7 +56,7 @@ def canonical_exponent(vmin: float, vmax: float, bins: int) -> int:
 
 @dataclass(frozen=True)
 class Histogram:
-    """Counts of finite values in bins ``[(offset + k) * w, (offset + k + 1) * w)``, w = 2**exponent.
+    """Counts of finite values in bins ``[(offset+k)*w, (offset+k+1)*w)`` with ``w = 2**exponent``.
 
     ``counts`` starts at the bin holding the minimum and ends at the bin holding the maximum;
     ``bins`` is the capacity that fixes the exponent.
@@ -201,7 +201,8 @@ class TensorStats:
         """Statistics of one array (one run's value of a tensor)."""
         flat = values.reshape(-1)
         wide = flat.astype(np.float64)
-        total = wide.sum()
+        with np.errstate(invalid="ignore"):  # inf - inf: the non-finite path below handles it
+            total = wide.sum()
         nan_count = inf_count = 0
         finite = flat
         if not math.isfinite(total):

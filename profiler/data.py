@@ -1,0 +1,520 @@
+"""Calibration data for profiling: the samples fed to the model while its ranges are recorded.
+
+Sources (the ``--data`` value)
+    ``FILE.npz``
+        One array per model input, each ``[N, *sample_shape]`` where ``sample_shape`` is the
+        input's shape without its batch dim. Without keys, the arrays named like the model's
+        inputs are used; a single-input model also takes the file's only array.
+    ``FILE.npz:KEY`` / ``FILE.npz:KEY1,KEY2``
+        The named arrays, one per model input in input order.
+    ``FILE.npy``
+        The one array of a single-input model, memory-mapped.
+    ``FOLDER``
+        The ``.bmp``, ``.jpeg``, ``.jpg`` and ``.png`` files in it (not its subfolders), sorted by
+        name, for a single image input; see :class:`Preprocess`. Only here does a preprocessing
+        spec apply.
+    ``random``
+        Seeded standard-normal data for float inputs, uniform integers in ``[0, 100)`` for integer
+        inputs, 0/1 for bool inputs; 8 samples unless told otherwise.
+
+Choices
+    * Pickles are never loaded: arrays of Python objects are rejected.
+    * Data casts to the input's dtype only within its kind or up (float64 -> float32 and
+      int -> float do, float -> int does not).
+    * ``samples`` takes the first samples of the source; more than it holds is clamped, and
+      ``num_samples`` says how many there are.
+    * ``batches()`` yields full batches and, when the batch size does not divide the sample
+      count, a smaller last one: the caller compiles for that size too, or pads.
+    * Streaming: ``batches()`` reads one batch at a time (an ``.npy`` through a memory map, an
+      ``.npz`` member through the zip stream, images file by file), so only one batch is ever
+      held in memory. For that, ``.npz`` arrays must be stored in C order (``np.savez``'s
+      default).
+    * The same spec, options and seed give the same batches, and the samples do not depend on
+      the batch size.
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Literal, get_args
+
+import numpy as np
+from PIL import Image
+
+from profiler.errors import RangeprofError
+
+if TYPE_CHECKING:
+    from profiler.onnx_load import LoadedModel
+
+RANDOM = "random"
+RANDOM_SAMPLES = 8
+IMAGE_SUFFIXES = (".bmp", ".jpeg", ".jpg", ".png")
+
+Layout = Literal["NCHW", "NHWC"]
+Channels = Literal["RGB", "BGR", "L"]
+
+# What reading a broken .npy header or a broken zip member can raise.
+_READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A model input as loaded: dim 0 of ``shape`` is the batch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+
+def model_inputs(model: LoadedModel) -> list[InputSpec]:
+    """The inputs of a loaded model, in the model's order."""
+    return [
+        InputSpec(name, shape, model.input_dtypes[name])
+        for name, shape in model.input_shapes.items()
+    ]
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How an image becomes a sample: resized to ``size`` (bilinear, aspect ratio not kept),
+    converted to ``channels``, then ``(pixel * scale - mean) / std`` per channel, laid out as
+    ``layout``."""
+
+    size: tuple[int, int] | None = None  # (H, W); None: the model input's
+    mean: tuple[float, ...] = (0.0,)  # one value for all channels, or one per channel
+    std: tuple[float, ...] = (1.0,)
+    scale: float = 1 / 255
+    layout: Layout = "NCHW"
+    channels: Channels | None = None  # None: L for a 1-channel input, RGB for a 3-channel one
+
+    def __post_init__(self) -> None:
+        if self.size is not None and (len(self.size) != 2 or min(self.size) < 1):
+            raise RangeprofError(f"preprocessing size {self.size} is not two positive dims (H, W)")
+        if not self.mean or not self.std:
+            raise RangeprofError("preprocessing mean and std need at least one value")
+        if 0 in self.std:
+            raise RangeprofError(f"preprocessing std {self.std} contains zero")
+        if self.layout not in get_args(Layout):
+            raise RangeprofError(
+                f"preprocessing layout {self.layout!r} is not one of {', '.join(get_args(Layout))}"
+            )
+        if self.channels not in (None, *get_args(Channels)):
+            raise RangeprofError(
+                f"preprocessing channels {self.channels!r} is not one of "
+                f"{', '.join(get_args(Channels))}"
+            )
+
+
+def parse_preprocess(text: str) -> Preprocess:
+    """Parse a CLI value such as ``size=48x192,mean=0.5,0.5,0.5,std=0.5,0.5,0.5,layout=NCHW``.
+
+    Keys are the fields of :class:`Preprocess`; ``scale`` may be a fraction (``1/255``). An item
+    without ``=`` continues the list of the key before it, as mean and std take several values.
+    """
+    keys = [f.name for f in fields(Preprocess)]
+
+    def fail(problem: str) -> RangeprofError:
+        return RangeprofError(f"malformed preprocessing spec {text!r}: {problem}")
+
+    items: dict[str, list[str]] = {}
+    key = None
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if sep:
+            key = name.strip()
+            if key not in keys:
+                raise fail(f"unknown key {key!r}; keys are {', '.join(keys)}")
+            if key in items:
+                raise fail(f"{key} given twice")
+            items[key] = [value.strip()]
+        elif key is None:
+            raise fail("expected KEY=VALUE items separated by ','")
+        else:
+            items[key].append(item.strip())
+
+    values: dict[str, object] = {}
+    for key, parts in items.items():
+        if key not in ("mean", "std") and len(parts) > 1:
+            raise fail(f"{key} takes one value, got {','.join(parts)!r}")
+        try:
+            if key == "size":
+                height, width = (int(d) for d in parts[0].split("x"))
+                values[key] = (height, width)
+            elif key in ("mean", "std"):
+                values[key] = tuple(float(p) for p in parts)
+            elif key == "scale":
+                values[key] = float(Fraction(parts[0]))
+            else:
+                values[key] = parts[0].upper()
+        except (ValueError, ZeroDivisionError):
+            hint = "HxW, e.g. 48x192" if key == "size" else "numbers"
+            raise fail(f"{key}={','.join(parts)!r} is not {hint}") from None
+    return Preprocess(**values)
+
+
+# A reader yields an input's batches for (sample count, batch size), already cast.
+Reader = Callable[[int, int], Iterator[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """Calibration samples ready to be fed batch by batch (see the module docstring)."""
+
+    num_samples: int
+    batch_size: int
+    readers: dict[str, Reader] = field(repr=False)  # by input name, in input order
+
+    @property
+    def num_batches(self) -> int:
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        """One ``{input name: array}`` per batch; arrays are C-contiguous, of the input's dtype,
+        with ``batch_size`` rows (the last batch may have fewer)."""
+        streams = [read(self.num_samples, self.batch_size) for read in self.readers.values()]
+        for arrays in zip(*streams, strict=True):
+            yield dict(zip(self.readers, arrays, strict=True))
+
+
+def open_data(
+    spec: str,
+    inputs: Sequence[InputSpec],
+    *,
+    batch_size: int = 1,
+    samples: int | None = None,
+    seed: int = 0,
+    preprocess: Preprocess | None = None,
+) -> CalibrationData:
+    """Open the calibration source ``spec`` (see the module docstring) for a model's inputs."""
+    if batch_size < 1:
+        raise RangeprofError(f"batch size {batch_size} is not positive")
+    if samples is not None and samples < 1:
+        raise RangeprofError(f"sample count {samples} is not positive")
+    if seed < 0:
+        raise RangeprofError(f"seed {seed} is negative")
+    for inp in inputs:
+        if not inp.shape:
+            raise RangeprofError(f"input {inp.name!r} is a scalar: it has no batch dim to fill")
+
+    if spec == RANDOM:
+        _no_preprocess(spec, preprocess)
+        available, readers = samples or RANDOM_SAMPLES, _random(inputs, seed)
+    else:
+        path, keys = _split_spec(spec)
+        if not path.exists():
+            raise RangeprofError(f"{path}: no such file or folder")
+        if path.is_dir() and keys is None:
+            available, readers = _images(path, inputs, preprocess or Preprocess())
+        elif path.suffix.lower() == ".npz":
+            _no_preprocess(spec, preprocess)
+            available, readers = _npz(path, keys, inputs)
+        elif path.suffix.lower() == ".npy":
+            _no_preprocess(spec, preprocess)
+            available, readers = _npy(path, inputs)
+        else:
+            raise RangeprofError(
+                f"{path}: unknown data source; expected an .npz or .npy file, a folder of "
+                f"images or {RANDOM!r}"
+            )
+    count = available if samples is None else min(samples, available)
+    return CalibrationData(count, batch_size, readers)
+
+
+def _no_preprocess(spec: str, preprocess: Preprocess | None) -> None:
+    if preprocess is not None:
+        raise RangeprofError(f"{spec}: preprocessing applies to a folder of images only")
+
+
+def _split_spec(spec: str) -> tuple[Path, list[str] | None]:
+    """Split ``FILE.npz:KEY1,KEY2``; any other spec is a path."""
+    head, sep, tail = spec.rpartition(":")
+    if not (sep and head.lower().endswith(".npz")):
+        return Path(spec), None
+    keys = tail.split(",")
+    if "" in keys:
+        raise RangeprofError(f"{spec}: empty array key; expected FILE.npz:KEY1,KEY2,...")
+    return Path(head), keys
+
+
+def _spans(count: int, batch_size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, count, batch_size):
+        yield start, min(start + batch_size, count)
+
+
+def _cast(batch: np.ndarray, inp: InputSpec) -> np.ndarray:
+    # np.array copies, so no batch keeps a memory map or a read buffer alive.
+    return np.array(batch, dtype=inp.dtype, order="C")
+
+
+def _check_dtype(what: str, dtype: np.dtype, inp: InputSpec) -> None:
+    if dtype.hasobject:
+        raise RangeprofError(f"{what}: Python objects (pickled data) are never loaded")
+    if not np.can_cast(dtype, inp.dtype, "same_kind"):
+        raise RangeprofError(
+            f"{what}: dtype {dtype} does not cast safely to input {inp.name!r} ({inp.dtype})"
+        )
+
+
+def _check_array(what: str, shape: tuple[int, ...], dtype: np.dtype, inp: InputSpec) -> int:
+    """Check an array against an input; return its sample count."""
+    _check_dtype(what, dtype, inp)
+    expected = inp.sample_shape
+    if not shape or shape[1:] != expected:
+        hint = (
+            "; it looks like a single sample: add a leading sample axis (array[None])"
+            if shape == expected
+            else ""
+        )
+        raise RangeprofError(
+            f"{what}: shape {list(shape)} does not fit input {inp.name!r}, which takes "
+            f"[N, {', '.join(map(str, expected))}] (N samples of shape {list(expected)}){hint}"
+        )
+    if shape[0] == 0:
+        raise RangeprofError(f"{what}: no samples (shape {list(shape)})")
+    return shape[0]
+
+
+def _read_header(f: IO[bytes], what: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Read an .npy header: (shape, fortran order, dtype); leaves ``f`` at the data."""
+    try:
+        version = np.lib.format.read_magic(f)
+        # 3.0 differs from 2.0 only by UTF-8 field names of structured dtypes.
+        read = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+            (3, 0): np.lib.format.read_array_header_2_0,
+        }.get(version)
+        if read is None:
+            raise ValueError(f"unsupported format version {version}")
+        return read(f)
+    except _READ_ERRORS as err:
+        raise RangeprofError(f"{what}: not a valid .npy array: {_line(err)}") from err
+
+
+def _line(err: BaseException) -> str:
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
+
+
+def _only_input(source: str, inputs: Sequence[InputSpec]) -> InputSpec:
+    if len(inputs) != 1:
+        raise RangeprofError(
+            f"{source}: feeds a single input, but the model has {len(inputs)} inputs "
+            f"({', '.join(repr(i.name) for i in inputs)}); use an .npz with one array per input"
+        )
+    return inputs[0]
+
+
+def _npy(path: Path, inputs: Sequence[InputSpec]) -> tuple[int, dict[str, Reader]]:
+    inp = _only_input(str(path), inputs)
+    # The header first, to reject object arrays and non-.npy files with a clear message.
+    try:
+        with path.open("rb") as f:
+            shape, _, dtype = _read_header(f, str(path))
+    except OSError as err:
+        raise RangeprofError(f"{path}: cannot read the file: {err.strerror}") from err
+    count = _check_array(str(path), shape, dtype, inp)
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except _READ_ERRORS as err:  # say, data shorter than the header promises
+        raise RangeprofError(f"{path}: not a valid .npy array: {_line(err)}") from err
+
+    def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
+        for start, stop in _spans(count, batch_size):
+            yield _cast(array[start:stop], inp)
+
+    return count, {inp.name: read}
+
+
+def _npz(
+    path: Path, keys: list[str] | None, inputs: Sequence[InputSpec]
+) -> tuple[int, dict[str, Reader]]:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            # np.savez stores array KEY as member KEY.npy.
+            members = {n.removesuffix(".npy"): n for n in archive.namelist() if n.endswith(".npy")}
+            chosen = _choose_keys(path, list(members), keys, inputs)
+            headers = []
+            for key in chosen:
+                with archive.open(members[key]) as f:
+                    headers.append(_read_header(f, f"array {key!r} in {path}"))
+    except (zipfile.BadZipFile, OSError) as err:
+        raise RangeprofError(f"{path}: not an .npz file: {_line(err)}") from err
+
+    counts, readers = [], {}
+    for key, inp, (shape, fortran, dtype) in zip(chosen, inputs, headers, strict=True):
+        what = f"array {key!r} in {path}"
+        counts.append(_check_array(what, shape, dtype, inp))
+        if fortran:
+            raise RangeprofError(
+                f"{what}: stored in Fortran order, which cannot be read batch by batch; save "
+                "np.ascontiguousarray(array) instead"
+            )
+        readers[inp.name] = _npz_reader(path, members[key], what, dtype, inp)
+    if len(set(counts)) > 1:
+        sizes = ", ".join(f"{k!r}: {n}" for k, n in zip(chosen, counts, strict=True))
+        raise RangeprofError(f"{path}: the arrays hold different sample counts ({sizes})")
+    return counts[0], readers
+
+
+def _choose_keys(
+    path: Path, available: list[str], keys: list[str] | None, inputs: Sequence[InputSpec]
+) -> list[str]:
+    names = [i.name for i in inputs]
+    listed = ", ".join(map(repr, available))
+    if not available:
+        raise RangeprofError(f"{path}: holds no arrays")
+    if keys is not None:
+        if len(keys) != len(inputs):
+            raise RangeprofError(
+                f"{path}: {len(keys)} key(s) ({', '.join(map(repr, keys))}) for the model's "
+                f"{len(inputs)} input(s) ({', '.join(map(repr, names))}); give one key per input"
+            )
+        for key in keys:
+            if key not in available:
+                raise RangeprofError(f"{path}: no array {key!r}; the file holds {listed}")
+        return keys
+    if set(names) <= set(available):
+        return names
+    if len(inputs) == 1 and len(available) == 1:
+        return available
+    if len(inputs) == 1:
+        raise RangeprofError(f"{path}: holds arrays {listed}; choose one with {path}:KEY")
+    raise RangeprofError(
+        f"{path}: holds arrays {listed}, not all named like the model's inputs "
+        f"({', '.join(map(repr, names))}); choose them in input order with {path}:KEY1,KEY2,..."
+    )
+
+
+def _npz_reader(path: Path, member: str, what: str, dtype: np.dtype, inp: InputSpec) -> Reader:
+    sample_bytes = dtype.itemsize * math.prod(inp.sample_shape)
+
+    def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
+        with zipfile.ZipFile(path) as archive, archive.open(member) as f:
+            _read_header(f, what)
+            for start, stop in _spans(count, batch_size):
+                try:
+                    data = f.read((stop - start) * sample_bytes)
+                except _READ_ERRORS as err:
+                    raise RangeprofError(f"{what}: cannot read: {_line(err)}") from err
+                if len(data) < (stop - start) * sample_bytes:
+                    raise RangeprofError(f"{what}: truncated, samples from {start} on are missing")
+                batch = np.frombuffer(data, dtype).reshape(stop - start, *inp.sample_shape)
+                yield _cast(batch, inp)
+
+    return read
+
+
+def _random(inputs: Sequence[InputSpec], seed: int) -> dict[str, Reader]:
+    # One stream per input, so an input's data depends only on the seed and its position.
+    seeds = np.random.SeedSequence(seed).spawn(len(inputs))
+    readers = {}
+    for inp, input_seed in zip(inputs, seeds, strict=True):
+        kind = np.dtype(inp.dtype).kind
+        if kind not in "fiub":
+            raise RangeprofError(
+                f"random: cannot generate data for input {inp.name!r} of dtype {inp.dtype}"
+            )
+        readers[inp.name] = _random_reader(inp, kind, input_seed)
+    return readers
+
+
+def _random_reader(inp: InputSpec, kind: str, seed: np.random.SeedSequence) -> Reader:
+    def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        for start, stop in _spans(count, batch_size):
+            size = (stop - start, *inp.sample_shape)
+            if kind == "f":
+                batch = rng.standard_normal(size, dtype=np.float32)
+            else:
+                batch = rng.integers(0, 2 if kind == "b" else 100, size)
+            yield _cast(batch, inp)
+
+    return read
+
+
+def _images(
+    folder: Path, inputs: Sequence[InputSpec], preprocess: Preprocess
+) -> tuple[int, dict[str, Reader]]:
+    inp = _only_input(str(folder), inputs)
+    what = f"images in {folder}"
+    files = sorted(
+        (p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()),
+        key=lambda p: p.name,
+    )
+    if not files:
+        raise RangeprofError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) in the folder")
+    height, width, channels = _image_format(what, preprocess, inp)
+    _check_dtype(what, np.dtype(np.float32), inp)
+    for path in files:  # fail now rather than hours into profiling: headers are cheap to read
+        _open_image(path).close()
+    mean, std = (np.asarray(v, dtype=np.float32) for v in (preprocess.mean, preprocess.std))
+
+    def sample(path: Path) -> np.ndarray:
+        with _open_image(path) as raw:
+            try:
+                image = raw.convert("L" if channels == "L" else "RGB").resize(
+                    (width, height), Image.Resampling.BILINEAR
+                )
+            except (OSError, Image.DecompressionBombError) as err:
+                raise RangeprofError(f"{path}: cannot read the image: {_line(err)}") from err
+        pixels = np.asarray(image, dtype=np.float32).reshape(height, width, -1)
+        if channels == "BGR":
+            pixels = pixels[:, :, ::-1]
+        pixels = (pixels * np.float32(preprocess.scale) - mean) / std
+        return pixels.transpose(2, 0, 1) if preprocess.layout == "NCHW" else pixels
+
+    def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
+        for start, stop in _spans(count, batch_size):
+            yield _cast(np.stack([sample(p) for p in files[start:stop]]), inp)
+
+    return len(files), {inp.name: read}
+
+
+def _open_image(path: Path) -> Image.Image:
+    try:
+        return Image.open(path)
+    except (OSError, Image.DecompressionBombError) as err:
+        raise RangeprofError(f"{path}: cannot read the image: {_line(err)}") from err
+
+
+def _image_format(what: str, prep: Preprocess, inp: InputSpec) -> tuple[int, int, Channels]:
+    """Check ``prep`` against the input; return the image height, width and channels."""
+    if len(inp.sample_shape) != 3:
+        raise RangeprofError(
+            f"{what}: input {inp.name!r} of shape {list(inp.shape)} is not an image input "
+            "([N, C, H, W] or [N, H, W, C])"
+        )
+    if prep.layout == "NCHW":
+        depth, height, width = inp.sample_shape
+    else:
+        height, width, depth = inp.sample_shape
+    fit = f"input {inp.name!r} of shape {list(inp.shape)} read as {prep.layout}"
+    channels = prep.channels or {1: "L", 3: "RGB"}.get(depth)
+    if channels is None:
+        raise RangeprofError(
+            f"{what}: {fit} has {depth} channels, but images have 1 or 3; is the layout right?"
+        )
+    if depth != (1 if channels == "L" else 3):
+        raise RangeprofError(f"{what}: channels={channels} does not fit {fit} ({depth} channels)")
+    if prep.size not in (None, (height, width)):
+        raise RangeprofError(
+            f"{what}: size={prep.size[0]}x{prep.size[1]} does not fit {fit} ({height}x{width})"
+        )
+    for name in ("mean", "std"):
+        values = getattr(prep, name)
+        if len(values) not in (1, depth):
+            raise RangeprofError(
+                f"{what}: {name} has {len(values)} values, but {fit} has {depth} channels; "
+                "give one value or one per channel"
+            )
+    return height, width, channels

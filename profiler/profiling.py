@@ -1,0 +1,202 @@
+"""``rangeprof profile``: run calibration data through the instrumented model and record stats.
+
+Memory stays bounded: one batch of data and one set of the program's outputs are alive at a
+time, and per-tensor statistics are fixed-size records merged batch by batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .data import Preprocess, model_inputs, open_data
+from .errors import InputShapeError
+from .executor import ProfilingProgram, compile_program
+from .importer import ImportedModel, import_onnx
+from .onnx_load import LoadedModel, load_model
+from .profile import build_document
+from .spans import ids_of
+from .stages import run_stages
+from .statistics import DEFAULT_BINS, TensorStats
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    bins: int = DEFAULT_BINS  # histogram bins; 0 disables histograms
+    batch_size: int | None = None  # None: the model's own batch (1 for a symbolic batch)
+    samples: int | None = None
+    seed: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "bins": self.bins,
+            "batch_size": self.batch_size,
+            "samples": self.samples,
+            "seed": self.seed,
+        }
+
+
+Progress = Callable[[int, int], None]  # (samples done, samples total)
+
+
+class _Programs:
+    """Instrumented programs by batch size (a smaller last batch needs its own build)."""
+
+    def __init__(self, path: Path, shapes: dict, imported: ImportedModel, bins: int | None):
+        self.path, self.shapes, self.bins = path, shapes, bins
+        self.by_batch: dict[int, ProfilingProgram] = {}
+        batch = _batch_of(imported.loaded)
+        self.by_batch[batch] = self._compile(imported)
+
+    def _compile(self, imported: ImportedModel) -> ProfilingProgram:
+        names = list(imported.loaded.input_shapes)
+        return compile_program(imported.mod, imported.layers, names, self.bins)
+
+    def get(self, batch: int) -> ProfilingProgram:
+        if batch not in self.by_batch:
+            try:
+                loaded = load_model(self.path, _with_batch(self.shapes, batch))
+            except InputShapeError as err:
+                raise InputShapeError(
+                    f"a last batch of {batch} samples does not fit the model ({err}); "
+                    "use a sample count that the batch size divides"
+                ) from None
+            self.by_batch[batch] = self._compile(import_onnx(loaded))
+        return self.by_batch[batch]
+
+
+def _batch_of(loaded: LoadedModel) -> int:
+    return next(iter(loaded.input_shapes.values()))[0]
+
+
+def _with_batch(shapes: dict, batch: int) -> dict:
+    return {name: (batch, *dims[1:]) for name, dims in shapes.items()}
+
+
+def _load_for_batch(path: Path, input_shapes: dict | None, batch_size: int | None) -> LoadedModel:
+    loaded = load_model(path, input_shapes)
+    if batch_size is None or _batch_of(loaded) == batch_size:
+        return loaded
+    try:
+        return load_model(path, _with_batch(loaded.input_shapes, batch_size))
+    except InputShapeError as err:
+        raise InputShapeError(f"batch size {batch_size} does not fit the model: {err}") from None
+
+
+def weight_channel_axes(mod: tvm.IRModule) -> dict[str, int]:
+    """Output-channel axis of each weight: conv kernels (OIHW) 0, matmul right operands their
+    last axis, traced back through a transpose (Gemm's ``permute_dims(W)``)."""
+    axes: dict[str, int] = {}
+    permuted: dict[relax.Var, tuple[frozenset[str], list[int]]] = {}
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            call = binding.value
+            if not isinstance(call, tvm.ir.Call) or not isinstance(call.op, tvm.ir.Op):
+                continue
+            op, args = str(call.op.name), list(call.args)
+            if op == "relax.permute_dims" and isinstance(args[0], tvm.ir.GenericConst):
+                ndim = len(args[0].value.shape)
+                order = [int(a) for a in call.attrs.axes] if call.attrs.axes else None
+                permuted[binding.var] = (ids_of(args[0]), order or list(range(ndim))[::-1])
+            elif op == "relax.nn.conv2d" and isinstance(args[1], tvm.ir.GenericConst):
+                axes.update(dict.fromkeys(ids_of(args[1]), 0))
+            elif op == "relax.matmul":
+                rhs = args[1]
+                if isinstance(rhs, tvm.ir.GenericConst):
+                    axes.update(dict.fromkeys(ids_of(rhs), len(rhs.value.shape) - 1))
+                elif rhs in permuted:
+                    ids, order = permuted[rhs]
+                    axes.update(dict.fromkeys(ids, order[-1]))
+    return axes
+
+
+def _weight_stats(imported: ImportedModel, bins: int | None) -> dict[str, TensorStats]:
+    axes = weight_channel_axes(imported.mod)
+    stats: dict[str, TensorStats] = {}
+
+    def visit(expr):
+        if isinstance(expr, tvm.ir.GenericConst):
+            for profile_id in ids_of(expr):
+                if profile_id not in stats:
+                    array = expr.value.numpy()
+                    if np.issubdtype(array.dtype, np.floating):
+                        stats[profile_id] = TensorStats.observe(array, bins, axes.get(profile_id))
+
+    relax.analysis.post_order_visit(imported.mod["main"], visit)
+    return stats
+
+
+def profile_model(
+    path: str | Path,
+    data: str,
+    *,
+    input_shapes: dict | None = None,
+    options: ProfileOptions = ProfileOptions(),
+    preprocess: Preprocess | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """Profiles one ONNX model on calibration data; returns the profile document."""
+    path = Path(path)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        timings[name] = round(now - since, 6)
+        return now
+
+    loaded = _load_for_batch(path, input_shapes, options.batch_size)
+    batch_size = _batch_of(loaded)
+    source = open_data(
+        data,
+        model_inputs(loaded),
+        batch_size=batch_size,
+        samples=options.samples,
+        seed=options.seed,
+        preprocess=preprocess,
+    )
+    imported = import_onnx(loaded)
+    ids = {layer.profile_id for layer in imported.layers}
+    stages = run_stages(imported.mod, ids, imported.fates)
+    mark = lap("import_s", start)
+    bins = options.bins or None
+    programs = _Programs(path, dict(loaded.input_shapes), imported, bins)
+    if source.num_samples % batch_size:
+        programs.get(source.num_samples % batch_size)  # fail before the run if it cannot build
+    mark = lap("compile_s", mark)
+
+    stats: dict[str, TensorStats] = dict(_weight_stats(imported, bins))
+    stats.update(programs.get(batch_size).static)
+    input_ids = {r.source_tensor: r.profile_id for r in imported.layers if r.kind == "input"}
+    static_ids = set(stats)
+    done = 0
+    for batch in source.batches():
+        size = next(iter(batch.values())).shape[0]
+        _, observed = programs.get(size).run(batch, bins)
+        for name, array in batch.items():
+            if np.issubdtype(array.dtype, np.floating):
+                observed[input_ids[name]] = TensorStats.observe(array, bins)
+        for profile_id, record in observed.items():
+            previous = stats.get(profile_id)
+            stats[profile_id] = record if previous is None else previous.merge(record)
+        done += size
+        if progress:
+            progress(done, source.num_samples)
+    lap("run_s", mark)
+    timings["total_s"] = round(time.perf_counter() - start, 6)
+
+    run = {
+        "samples": done,
+        "batches": source.num_batches,
+        "data": data,
+        "options": {**options.to_json(), "batch_size": batch_size},
+        "timings": timings,
+        "tvm_version": tvm.__version__,
+    }
+    return build_document(imported, stages, stats, static_ids, run)

@@ -1,0 +1,60 @@
+"""An independent FP32 reference: onnxruntime with every node output exposed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+
+def exposed_session(path: Path, input_shapes: dict | None = None) -> ort.InferenceSession:
+    """A session on the original model that returns every node output."""
+    model = onnx.load(path)
+    for inp in model.graph.input:
+        for k, dim in enumerate((input_shapes or {}).get(inp.name, ())):
+            inp.type.tensor_type.shape.dim[k].dim_value = dim
+    graph_outputs = {o.name for o in model.graph.output}
+    for node in model.graph.node:
+        for name in node.output:
+            if name in data_dependent_tensors(model) and name not in graph_outputs:
+                model.graph.output.append(onnx.ValueInfoProto(name=name))
+                graph_outputs.add(name)
+    if model.ir_version > 10:
+        model.ir_version = 10
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, ["CPUExecutionProvider"])
+
+
+def data_dependent_tensors(model: onnx.ModelProto) -> set[str]:
+    """Node outputs that depend on a graph input (constant subgraphs are weights, not data)."""
+    initializers = {t.name for t in model.graph.initializer}
+    live = {i.name for i in model.graph.input if i.name not in initializers}
+    for node in model.graph.node:
+        if live.intersection(node.input):
+            live.update(o for o in node.output if o)
+    return live
+
+
+def reference_ranges(
+    session: ort.InferenceSession, feeds: Iterable[dict[str, np.ndarray]]
+) -> dict[str, tuple[float, float]]:
+    """Min and max of the finite values of every float node output over all feeds."""
+    names = [o.name for o in session.get_outputs()]
+    ranges: dict[str, tuple[float, float]] = {}
+    for feed in feeds:
+        for name, value in zip(names, session.run(names, feed), strict=True):
+            value = np.asarray(value)
+            if not np.issubdtype(value.dtype, np.floating) or value.size == 0:
+                continue
+            finite = value[np.isfinite(value)]
+            if finite.size == 0:
+                continue
+            lo, hi = float(finite.min()), float(finite.max())
+            if name in ranges:
+                lo, hi = min(lo, ranges[name][0]), max(hi, ranges[name][1])
+            ranges[name] = (lo, hi)
+    return ranges

@@ -1,0 +1,168 @@
+"""Profiling: fidelity against onnxruntime, bitwise outputs, exact shard merges, the document."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from ort_reference import exposed_session, reference_ranges
+from tvm import relax
+
+from profiler.data import model_inputs, open_data
+from profiler.errors import InputShapeError
+from profiler.executor import host_target, instrument
+from profiler.importer import import_onnx
+from profiler.onnx_load import load_model
+from profiler.profile import load_profile, merge_profiles, tensors_bytes, validate
+from profiler.profiling import ProfileOptions, profile_model
+
+import onnx_builders as mb
+from conftest import SHARED, ZOO_SHAPES, zoo_model
+
+
+def _cli_profile(model, data, out, *extra):
+    cmd = [sys.executable, "-m", "profiler", "profile", str(model), "--data", data]
+    cmd += ["--out", str(out), *extra]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return load_profile(out)
+
+
+def _assert_fidelity(doc, reference, model_path):
+    """Every data-dependent float ONNX tensor matches the reference to 1e-4 of its range."""
+    by_tensor = {t["source_tensor"]: t for t in doc["tensors"] if t["source_tensor"] is not None}
+    by_id = {t["profile_id"]: t for t in doc["tensors"]}
+    # An Identity-like node made no binding: its tensor is profiled under the value it names.
+    for node in onnx.load(model_path, load_external_data=False).graph.node:
+        fate = doc["lineage"]["fates"].get(node.name, "")
+        if fate.startswith("aliases:"):
+            by_tensor.update(dict.fromkeys(node.output, by_id[fate.removeprefix("aliases:")]))
+    missing = sorted(set(reference) - set(by_tensor))
+    assert not missing, missing
+    for name, (lo, hi) in reference.items():
+        entry = by_tensor[name]
+        tol = 1e-4 * max(abs(lo), abs(hi), 1e-30)
+        assert abs(entry["min"] - lo) <= tol, (name, entry["min"], lo)
+        assert abs(entry["max"] - hi) <= tol, (name, entry["max"], hi)
+
+
+@pytest.mark.zoo
+def test_digits_fidelity_cli(tmp_path):
+    data = SHARED / "data" / "digits.npz"
+    doc = _cli_profile(zoo_model("digits_cnn"), f"{data}:calib", tmp_path / "p.json")
+    assert doc["run"]["samples"] == 200
+    calib = np.load(data)["calib"]
+    session = exposed_session(zoo_model("digits_cnn"), {"image": (1, 1, 8, 8)})
+    reference = reference_ranges(session, ({"image": calib[i : i + 1]} for i in range(len(calib))))
+    _assert_fidelity(doc, reference, zoo_model("digits_cnn"))
+
+
+@pytest.mark.zoo
+def test_ppocr_fidelity_cli(tmp_path):
+    data = SHARED / "data" / "textlines.npz"
+    model = zoo_model("ppocr_cls")
+    doc = _cli_profile(model, f"{data}:calib", tmp_path / "p.json", "--input-shape", "x=1x3x48x192")
+    calib = np.load(data)["calib"]
+    session = exposed_session(model, ZOO_SHAPES["ppocr_cls"])
+    reference = reference_ranges(session, ({"x": calib[i : i + 1]} for i in range(len(calib))))
+    _assert_fidelity(doc, reference, model)
+
+
+@pytest.mark.zoo
+def test_resnet18_random_fidelity_cli(tmp_path):
+    model = zoo_model("resnet18")
+    doc = _cli_profile(model, "random", tmp_path / "p.json", "--samples", "2")
+    assert doc["run"]["samples"] == 2
+    source = open_data("random", model_inputs(load_model(model)), samples=2)
+    session = exposed_session(model)
+    _assert_fidelity(doc, reference_ranges(session, source.batches()), model)
+
+
+def test_instrumented_outputs_are_bitwise_equal(tmp_path):
+    imported = import_onnx(load_model(mb.save(mb.conv_bn_relu_scale(), tmp_path)))
+    instrumented, observed, _ = instrument(imported.mod, imported.layers)
+    assert len(observed) >= 4
+    x = np.random.default_rng(3).normal(size=(1, 3, 6, 6)).astype("float32")
+
+    def run(mod):
+        mod = relax.transform.DecomposeOpsForInference()(mod)
+        vm = relax.VirtualMachine(tvm.compile(mod, target=host_target()), tvm.cpu())
+        return vm["main"](tvm.runtime.tensor(x))
+
+    plain = run(imported.mod).numpy()
+    profiled = run(instrumented)[0].numpy()
+    assert plain.tobytes() == profiled.tobytes()
+
+
+def test_shard_merges_are_exact_in_any_order(tmp_path):
+    path = mb.save(mb.conv_bn_relu_scale(), tmp_path)
+    rng = np.random.default_rng(5)
+    data = rng.normal(size=(11, 3, 6, 6)).astype("float32")
+    data[4, 0, 0, 0] = np.nan
+    data[7, 1, 2, 2] = np.inf
+    np.save(tmp_path / "all.npy", data)
+    options = ProfileOptions(bins=256)
+    whole = profile_model(path, str(tmp_path / "all.npy"), options=options)
+    validate(whole)
+    assert whole["run"]["samples"] == 11
+
+    for cut in ([3, 8], [1, 2, 10], [6]):
+        bounds = [0, *cut, len(data)]
+        shards = []
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+            np.save(tmp_path / f"s{k}.npy", data[a:b])
+            shards.append(profile_model(path, str(tmp_path / f"s{k}.npy"), options=options))
+        for order in itertools.permutations(range(len(shards))):
+            merged = shards[order[0]]
+            for k in order[1:]:
+                merged = merge_profiles(merged, shards[k])
+            assert merged["run"]["samples"] == 11
+            assert tensors_bytes(merged) == tensors_bytes(whole)
+
+    entry = next(t for t in whole["tensors"] if t["profile_id"] == "input:x")
+    assert entry["nan_count"] == 1 and entry["inf_count"] == 1
+    finite = data[np.isfinite(data)]
+    assert entry["min"] == float(finite.min()) and entry["max"] == float(finite.max())
+    assert entry["mean"] == pytest.approx(float(finite.astype(np.float64).mean()), rel=1e-12)
+    assert sum(entry["histogram"]["counts"]) == finite.size
+
+
+def test_document_layout_and_weights(tmp_path):
+    path = mb.save(mb.gemm(), tmp_path)
+    doc = profile_model(path, "random", options=ProfileOptions(samples=4, bins=64))
+    validate(doc)
+    by_id = {t["profile_id"]: t for t in doc["tensors"]}
+    weight = by_id["weight:w"]
+    assert weight["kind"] == "weight" and weight["static"] and weight["count"] == 40
+    # Gemm's weight is [out, in] used transposed: its channels are along axis 0.
+    assert weight["per_channel"]["axis"] == 0 and len(weight["per_channel"]["max"]) == 5
+    out = by_id["fc#2"]
+    assert out["source_tensor"] == "y" and out["count"] == 4 * 5
+    assert doc["run"]["options"]["batch_size"] == 2 and doc["run"]["batches"] == 2
+    assert out["per_channel"]["axis"] == 1
+    assert {s["name"] for s in doc["lineage"]["stages"]} >= {"initial", "fuse_ops"}
+    json.dumps(doc)  # serialisable as is
+    with pytest.raises(InputShapeError, match="last batch of 1 samples"):
+        profile_model(path, "random", options=ProfileOptions(samples=3))
+
+
+def test_bad_data_is_rejected_by_the_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from profiler.cli import app
+
+    path = mb.save(mb.gemm(), tmp_path)
+    np.save(tmp_path / "wrong.npy", np.zeros((4, 7), dtype=np.float32))
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    for bad, needle in (("wrong.npy", "wrong.npy"), ("objects.npy", "objects.npy")):
+        result = CliRunner().invoke(
+            app, ["profile", str(path), "--data", str(tmp_path / bad), "--out", "x.json"]
+        )
+        assert result.exit_code == 2, result.output
+        assert needle in result.stderr.strip().splitlines()[-1]
+        assert not (tmp_path / "x.json").exists()
