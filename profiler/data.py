@@ -47,7 +47,7 @@ from typing import IO, TYPE_CHECKING, Literal, get_args
 import numpy as np
 from PIL import Image
 
-from profiler.errors import RangeprofError
+from profiler.errors import CalibrationDataError
 
 if TYPE_CHECKING:
     from profiler.onnx_load import LoadedModel
@@ -99,17 +99,19 @@ class Preprocess:
 
     def __post_init__(self) -> None:
         if self.size is not None and (len(self.size) != 2 or min(self.size) < 1):
-            raise RangeprofError(f"preprocessing size {self.size} is not two positive dims (H, W)")
+            raise CalibrationDataError(
+                f"preprocessing size {self.size} is not two positive dims (H, W)"
+            )
         if not self.mean or not self.std:
-            raise RangeprofError("preprocessing mean and std need at least one value")
+            raise CalibrationDataError("preprocessing mean and std need at least one value")
         if 0 in self.std:
-            raise RangeprofError(f"preprocessing std {self.std} contains zero")
+            raise CalibrationDataError(f"preprocessing std {self.std} contains zero")
         if self.layout not in get_args(Layout):
-            raise RangeprofError(
+            raise CalibrationDataError(
                 f"preprocessing layout {self.layout!r} is not one of {', '.join(get_args(Layout))}"
             )
         if self.channels not in (None, *get_args(Channels)):
-            raise RangeprofError(
+            raise CalibrationDataError(
                 f"preprocessing channels {self.channels!r} is not one of "
                 f"{', '.join(get_args(Channels))}"
             )
@@ -123,8 +125,8 @@ def parse_preprocess(text: str) -> Preprocess:
     """
     keys = [f.name for f in fields(Preprocess)]
 
-    def fail(problem: str) -> RangeprofError:
-        return RangeprofError(f"malformed preprocessing spec {text!r}: {problem}")
+    def fail(problem: str) -> CalibrationDataError:
+        return CalibrationDataError(f"malformed preprocessing spec {text!r}: {problem}")
 
     items: dict[str, list[str]] = {}
     key = None
@@ -197,14 +199,16 @@ def open_data(
 ) -> CalibrationData:
     """Open the calibration source ``spec`` (see the module docstring) for a model's inputs."""
     if batch_size < 1:
-        raise RangeprofError(f"batch size {batch_size} is not positive")
+        raise CalibrationDataError(f"batch size {batch_size} is not positive")
     if samples is not None and samples < 1:
-        raise RangeprofError(f"sample count {samples} is not positive")
+        raise CalibrationDataError(f"sample count {samples} is not positive")
     if seed < 0:
-        raise RangeprofError(f"seed {seed} is negative")
+        raise CalibrationDataError(f"seed {seed} is negative")
     for inp in inputs:
         if not inp.shape:
-            raise RangeprofError(f"input {inp.name!r} is a scalar: it has no batch dim to fill")
+            raise CalibrationDataError(
+                f"input {inp.name!r} is a scalar: it has no batch dim to fill"
+            )
 
     if spec == RANDOM:
         _no_preprocess(spec, preprocess)
@@ -212,7 +216,7 @@ def open_data(
     else:
         path, keys = _split_spec(spec)
         if not path.exists():
-            raise RangeprofError(f"{path}: no such file or folder")
+            raise CalibrationDataError(f"{path}: no such file or folder")
         if path.is_dir() and keys is None:
             available, readers = _images(path, inputs, preprocess or Preprocess())
         elif path.suffix.lower() == ".npz":
@@ -222,7 +226,7 @@ def open_data(
             _no_preprocess(spec, preprocess)
             available, readers = _npy(path, inputs)
         else:
-            raise RangeprofError(
+            raise CalibrationDataError(
                 f"{path}: unknown data source; expected an .npz or .npy file, a folder of "
                 f"images or {RANDOM!r}"
             )
@@ -232,7 +236,7 @@ def open_data(
 
 def _no_preprocess(spec: str, preprocess: Preprocess | None) -> None:
     if preprocess is not None:
-        raise RangeprofError(f"{spec}: preprocessing applies to a folder of images only")
+        raise CalibrationDataError(f"{spec}: preprocessing applies to a folder of images only")
 
 
 def _split_spec(spec: str) -> tuple[Path, list[str] | None]:
@@ -242,7 +246,7 @@ def _split_spec(spec: str) -> tuple[Path, list[str] | None]:
         return Path(spec), None
     keys = tail.split(",")
     if "" in keys:
-        raise RangeprofError(f"{spec}: empty array key; expected FILE.npz:KEY1,KEY2,...")
+        raise CalibrationDataError(f"{spec}: empty array key; expected FILE.npz:KEY1,KEY2,...")
     return Path(head), keys
 
 
@@ -258,9 +262,9 @@ def _cast(batch: np.ndarray, inp: InputSpec) -> np.ndarray:
 
 def _check_dtype(what: str, dtype: np.dtype, inp: InputSpec) -> None:
     if dtype.hasobject:
-        raise RangeprofError(f"{what}: Python objects (pickled data) are never loaded")
+        raise CalibrationDataError(f"{what}: Python objects (pickled data) are never loaded")
     if not np.can_cast(dtype, inp.dtype, "same_kind"):
-        raise RangeprofError(
+        raise CalibrationDataError(
             f"{what}: dtype {dtype} does not cast safely to input {inp.name!r} ({inp.dtype})"
         )
 
@@ -275,12 +279,12 @@ def _check_array(what: str, shape: tuple[int, ...], dtype: np.dtype, inp: InputS
             if shape == expected
             else ""
         )
-        raise RangeprofError(
+        raise CalibrationDataError(
             f"{what}: shape {list(shape)} does not fit input {inp.name!r}, which takes "
             f"[N, {', '.join(map(str, expected))}] (N samples of shape {list(expected)}){hint}"
         )
     if shape[0] == 0:
-        raise RangeprofError(f"{what}: no samples (shape {list(shape)})")
+        raise CalibrationDataError(f"{what}: no samples (shape {list(shape)})")
     return shape[0]
 
 
@@ -298,7 +302,7 @@ def _read_header(f: IO[bytes], what: str) -> tuple[tuple[int, ...], bool, np.dty
             raise ValueError(f"unsupported format version {version}")
         return read(f)
     except _READ_ERRORS as err:
-        raise RangeprofError(f"{what}: not a valid .npy array: {_line(err)}") from err
+        raise CalibrationDataError(f"{what}: not a valid .npy array: {_line(err)}") from err
 
 
 def _line(err: BaseException) -> str:
@@ -307,7 +311,7 @@ def _line(err: BaseException) -> str:
 
 def _only_input(source: str, inputs: Sequence[InputSpec]) -> InputSpec:
     if len(inputs) != 1:
-        raise RangeprofError(
+        raise CalibrationDataError(
             f"{source}: feeds a single input, but the model has {len(inputs)} inputs "
             f"({', '.join(repr(i.name) for i in inputs)}); use an .npz with one array per input"
         )
@@ -321,12 +325,12 @@ def _npy(path: Path, inputs: Sequence[InputSpec]) -> tuple[int, dict[str, Reader
         with path.open("rb") as f:
             shape, _, dtype = _read_header(f, str(path))
     except OSError as err:
-        raise RangeprofError(f"{path}: cannot read the file: {err.strerror}") from err
+        raise CalibrationDataError(f"{path}: cannot read the file: {err.strerror}") from err
     count = _check_array(str(path), shape, dtype, inp)
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except _READ_ERRORS as err:  # say, data shorter than the header promises
-        raise RangeprofError(f"{path}: not a valid .npy array: {_line(err)}") from err
+        raise CalibrationDataError(f"{path}: not a valid .npy array: {_line(err)}") from err
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         for start, stop in _spans(count, batch_size):
@@ -348,21 +352,21 @@ def _npz(
                 with archive.open(members[key]) as f:
                     headers.append(_read_header(f, f"array {key!r} in {path}"))
     except (zipfile.BadZipFile, OSError) as err:
-        raise RangeprofError(f"{path}: not an .npz file: {_line(err)}") from err
+        raise CalibrationDataError(f"{path}: not an .npz file: {_line(err)}") from err
 
     counts, readers = [], {}
     for key, inp, (shape, fortran, dtype) in zip(chosen, inputs, headers, strict=True):
         what = f"array {key!r} in {path}"
         counts.append(_check_array(what, shape, dtype, inp))
         if fortran:
-            raise RangeprofError(
+            raise CalibrationDataError(
                 f"{what}: stored in Fortran order, which cannot be read batch by batch; save "
                 "np.ascontiguousarray(array) instead"
             )
         readers[inp.name] = _npz_reader(path, members[key], what, dtype, inp)
     if len(set(counts)) > 1:
         sizes = ", ".join(f"{k!r}: {n}" for k, n in zip(chosen, counts, strict=True))
-        raise RangeprofError(f"{path}: the arrays hold different sample counts ({sizes})")
+        raise CalibrationDataError(f"{path}: the arrays hold different sample counts ({sizes})")
     return counts[0], readers
 
 
@@ -372,24 +376,24 @@ def _choose_keys(
     names = [i.name for i in inputs]
     listed = ", ".join(map(repr, available))
     if not available:
-        raise RangeprofError(f"{path}: holds no arrays")
+        raise CalibrationDataError(f"{path}: holds no arrays")
     if keys is not None:
         if len(keys) != len(inputs):
-            raise RangeprofError(
+            raise CalibrationDataError(
                 f"{path}: {len(keys)} key(s) ({', '.join(map(repr, keys))}) for the model's "
                 f"{len(inputs)} input(s) ({', '.join(map(repr, names))}); give one key per input"
             )
         for key in keys:
             if key not in available:
-                raise RangeprofError(f"{path}: no array {key!r}; the file holds {listed}")
+                raise CalibrationDataError(f"{path}: no array {key!r}; the file holds {listed}")
         return keys
     if set(names) <= set(available):
         return names
     if len(inputs) == 1 and len(available) == 1:
         return available
     if len(inputs) == 1:
-        raise RangeprofError(f"{path}: holds arrays {listed}; choose one with {path}:KEY")
-    raise RangeprofError(
+        raise CalibrationDataError(f"{path}: holds arrays {listed}; choose one with {path}:KEY")
+    raise CalibrationDataError(
         f"{path}: holds arrays {listed}, not all named like the model's inputs "
         f"({', '.join(map(repr, names))}); choose them in input order with {path}:KEY1,KEY2,..."
     )
@@ -405,9 +409,11 @@ def _npz_reader(path: Path, member: str, what: str, dtype: np.dtype, inp: InputS
                 try:
                     data = f.read((stop - start) * sample_bytes)
                 except _READ_ERRORS as err:
-                    raise RangeprofError(f"{what}: cannot read: {_line(err)}") from err
+                    raise CalibrationDataError(f"{what}: cannot read: {_line(err)}") from err
                 if len(data) < (stop - start) * sample_bytes:
-                    raise RangeprofError(f"{what}: truncated, samples from {start} on are missing")
+                    raise CalibrationDataError(
+                        f"{what}: truncated, samples from {start} on are missing"
+                    )
                 batch = np.frombuffer(data, dtype).reshape(stop - start, *inp.sample_shape)
                 yield _cast(batch, inp)
 
@@ -421,7 +427,7 @@ def _random(inputs: Sequence[InputSpec], seed: int) -> dict[str, Reader]:
     for inp, input_seed in zip(inputs, seeds, strict=True):
         kind = np.dtype(inp.dtype).kind
         if kind not in "fiub":
-            raise RangeprofError(
+            raise CalibrationDataError(
                 f"random: cannot generate data for input {inp.name!r} of dtype {inp.dtype}"
             )
         readers[inp.name] = _random_reader(inp, kind, input_seed)
@@ -452,7 +458,9 @@ def _images(
         key=lambda p: p.name,
     )
     if not files:
-        raise RangeprofError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) in the folder")
+        raise CalibrationDataError(
+            f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) in the folder"
+        )
     height, width, channels = _image_format(what, preprocess, inp)
     _check_dtype(what, np.dtype(np.float32), inp)
     for path in files:  # fail now rather than hours into profiling: headers are cheap to read
@@ -466,7 +474,7 @@ def _images(
                     (width, height), Image.Resampling.BILINEAR
                 )
             except (OSError, Image.DecompressionBombError) as err:
-                raise RangeprofError(f"{path}: cannot read the image: {_line(err)}") from err
+                raise CalibrationDataError(f"{path}: cannot read the image: {_line(err)}") from err
         pixels = np.asarray(image, dtype=np.float32).reshape(height, width, -1)
         if channels == "BGR":
             pixels = pixels[:, :, ::-1]
@@ -484,13 +492,13 @@ def _open_image(path: Path) -> Image.Image:
     try:
         return Image.open(path)
     except (OSError, Image.DecompressionBombError) as err:
-        raise RangeprofError(f"{path}: cannot read the image: {_line(err)}") from err
+        raise CalibrationDataError(f"{path}: cannot read the image: {_line(err)}") from err
 
 
 def _image_format(what: str, prep: Preprocess, inp: InputSpec) -> tuple[int, int, Channels]:
     """Check ``prep`` against the input; return the image height, width and channels."""
     if len(inp.sample_shape) != 3:
-        raise RangeprofError(
+        raise CalibrationDataError(
             f"{what}: input {inp.name!r} of shape {list(inp.shape)} is not an image input "
             "([N, C, H, W] or [N, H, W, C])"
         )
@@ -501,19 +509,21 @@ def _image_format(what: str, prep: Preprocess, inp: InputSpec) -> tuple[int, int
     fit = f"input {inp.name!r} of shape {list(inp.shape)} read as {prep.layout}"
     channels = prep.channels or {1: "L", 3: "RGB"}.get(depth)
     if channels is None:
-        raise RangeprofError(
+        raise CalibrationDataError(
             f"{what}: {fit} has {depth} channels, but images have 1 or 3; is the layout right?"
         )
     if depth != (1 if channels == "L" else 3):
-        raise RangeprofError(f"{what}: channels={channels} does not fit {fit} ({depth} channels)")
+        raise CalibrationDataError(
+            f"{what}: channels={channels} does not fit {fit} ({depth} channels)"
+        )
     if prep.size not in (None, (height, width)):
-        raise RangeprofError(
+        raise CalibrationDataError(
             f"{what}: size={prep.size[0]}x{prep.size[1]} does not fit {fit} ({height}x{width})"
         )
     for name in ("mean", "std"):
         values = getattr(prep, name)
         if len(values) not in (1, depth):
-            raise RangeprofError(
+            raise CalibrationDataError(
                 f"{what}: {name} has {len(values)} values, but {fit} has {depth} channels; "
                 "give one value or one per channel"
             )

@@ -32,3 +32,7 @@ class InputShapeError(RangeprofError):
 
 class ConversionError(RangeprofError):
     """An ONNX node uses a feature (attribute, input form) its converter does not handle."""
+
+
+class CalibrationDataError(RangeprofError):
+    """Calibration data is missing, unreadable or does not fit the model's inputs."""

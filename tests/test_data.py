@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from profiler.data import InputSpec, Preprocess, model_inputs, open_data, parse_preprocess
-from profiler.errors import RangeprofError
+from profiler.errors import CalibrationDataError
 from profiler.onnx_load import load_model
 
 import onnx_builders
@@ -32,7 +32,7 @@ def _all(data, name="x") -> np.ndarray:
 
 
 def _error(spec, inputs=(X,), **options) -> str:
-    with pytest.raises(RangeprofError) as info:
+    with pytest.raises(CalibrationDataError) as info:
         data = open_data(str(spec), list(inputs), **options)
         list(data.batches())
     message = str(info.value)
@@ -371,7 +371,9 @@ def test_truncated_image_fails_when_read(tmp_path):
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 60, 3), np.uint8)).save(path)
     path.write_bytes(path.read_bytes()[:200])
     data = open_data(str(tmp_path), [IMAGE])  # the header is fine
-    with pytest.raises(RangeprofError, match=f"^{re.escape(str(path))}: cannot read the image"):
+    with pytest.raises(
+        CalibrationDataError, match=f"^{re.escape(str(path))}: cannot read the image"
+    ):
         list(data.batches())
 
 
@@ -410,7 +412,7 @@ def test_parse_preprocess():
     ],
 )
 def test_parse_preprocess_errors(text, problem):
-    with pytest.raises(RangeprofError, match=re.escape(problem)):
+    with pytest.raises(CalibrationDataError, match=re.escape(problem)):
         parse_preprocess(text)
 
 
