@@ -40,8 +40,9 @@ float32's smallest normal number) get ``s = 1.0`` with the symmetric zero point,
 for the asymmetric scheme — ONNX Runtime's rule: any scale represents 0, and 1.0 keeps
 requantization multipliers finite.
 
-**Per-channel** (``granularity="per-channel"``) applies to weights whose entry has per-channel
-min/max: each channel uses ``max`` on its own range (``s_c = max|W_c| / 127`` for int8 symmetric),
+**Per-channel** (``granularity="per-channel"``) applies to weights and other static tensors
+(weight transforms, such as a Gemm's transposed weight) whose entry has per-channel min/max:
+each channel uses ``max`` on its own range (``s_c = max|W_c| / 127`` for int8 symmetric),
 whatever the method, since the histogram is per tensor. Everything else stays per-tensor.
 """
 
@@ -75,7 +76,6 @@ _KL_EPS = 1e-4
 class IntType:
     """An integer target type: its full range, and the symmetric scheme's half-width."""
 
-    name: str
     qmin: int
     qmax: int
 
@@ -89,14 +89,16 @@ class IntType:
 
 
 DTYPES = {
-    "int8": IntType("int8", -128, 127),
-    "uint8": IntType("uint8", 0, 255),
-    "int16": IntType("int16", -32768, 32767),
+    "int8": IntType(-128, 127),
+    "uint8": IntType(0, 255),
+    "int16": IntType(-32768, 32767),
 }
 
 
 @dataclass(frozen=True)
 class CalibrationOptions:
+    """How to turn statistics into quantization parameters; validated on construction."""
+
     method: str = "max"
     percentile: float = 99.99
     scheme: str = "sym"
@@ -198,7 +200,9 @@ def qparams_for(entry: dict, options: CalibrationOptions) -> QParams:
         "dtype": options.dtype,
     }
     channels = stats.per_channel
-    if options.granularity == "per-channel" and entry["kind"] == "weight" and channels:
+    # Static tensors are weights and weight transforms (e.g. a Gemm's transposed weight).
+    weight = entry["kind"] == "weight" or entry.get("static", False)
+    if options.granularity == "per-channel" and weight and channels:
         grids = [
             _grid(*_with_zero(lo, hi), t, options)
             for lo, hi in zip(channels.min, channels.max, strict=True)

@@ -153,3 +153,74 @@ def profile(
         f"in {run['timings']['total_s']:.1f}s -> {out}",
         highlight=False,
     )
+
+
+Method = Annotated[str, typer.Option(help="max | percentile | entropy | mse")]
+Percentile = Annotated[float, typer.Option(help="Percentile for --method percentile.")]
+Scheme = Annotated[str, typer.Option(help="sym | asym")]
+Dtype = Annotated[str, typer.Option(help="int8 | uint8 | int16")]
+Granularity = Annotated[str, typer.Option(help="per-tensor | per-channel (weights)")]
+PowerOfTwo = Annotated[bool, typer.Option(help="Round scales up to powers of two.")]
+
+
+@app.command()
+def calibrate(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
+    out: Annotated[Path, typer.Option(help="Where to write the QPARAMS JSON.")],
+    method: Method = "max",
+    percentile: Percentile = 99.99,
+    scheme: Scheme = "sym",
+    dtype: Dtype = "int8",
+    granularity: Granularity = "per-tensor",
+    power_of_two: PowerOfTwo = False,
+) -> None:
+    """Derive quantization parameters per profileID from a stored profile."""
+    from .calibration import CalibrationOptions
+    from .calibration import calibrate as derive
+    from .profile import load_profile
+
+    try:
+        options = CalibrationOptions(
+            method=method,
+            percentile=percentile,
+            scheme=scheme,
+            dtype=dtype,
+            granularity=granularity,
+            power_of_two=power_of_two,
+        )
+        doc = derive(load_profile(profile_path), options)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    out.write_text(json.dumps(doc, indent=1))
+    _err.print(f"{len(doc['qparams'])} tensors calibrated ({method}) -> {out}", highlight=False)
+
+
+@app.command()
+def export(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
+    fmt: Annotated[str, typer.Option("--format", help="aimet | ort | ort-json | tensorrt")],
+    out: Annotated[Path, typer.Option(help="Where to write the export.")],
+    method: Method = "max",
+    percentile: Percentile = 99.99,
+    scheme: Scheme = "sym",
+    dtype: Dtype = "int8",
+    granularity: Granularity = "per-tensor",
+) -> None:
+    """Write the profile's ranges in another tool's format."""
+    from .calibration import CalibrationOptions
+    from .exports import export as render
+    from .profile import load_profile
+
+    try:
+        options = CalibrationOptions(
+            method=method,
+            percentile=percentile,
+            scheme=scheme,
+            dtype=dtype,
+            granularity=granularity,
+        )
+        text = render(load_profile(profile_path), fmt, options)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    out.write_text(text)
+    _err.print(f"{fmt} export -> {out}", highlight=False)

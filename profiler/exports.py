@@ -16,7 +16,8 @@ that no ONNX tool can name.
 * ``ort-json``: ONNX Runtime's ``TensorsData`` JSON, as ``save_tensors_data`` writes it and
   ``quantize_static(calibration_cache_path=...)`` / ``load_tensors_data`` read it: per tensor
   ``lowest`` and ``highest`` = the represented clip range, so ORT re-derives our scale and zero
-  point (except for uint8 symmetric, where ORT's grid differs, see :mod:`profiler.calibration`).
+  point when its settings match ours (``activation_type``; ``ActivationSymmetric`` for ``sym``)
+  — except for uint8 symmetric, where ORT's grid differs (see :mod:`profiler.calibration`).
   ``calibration_method`` is always ``MinMax``: the ranges are final, and ``MinMax`` is
   ``quantize_static``'s default, which the cache must match.
 * ``tensorrt``: a TensorRT calibration cache: header ``TRT-8601-EntropyCalibration2`` (TensorRT
@@ -25,7 +26,7 @@ that no ONNX tool can name.
   and ``dtype="int8"``.
 
 ORT and TensorRT calibrate activations only (they quantize weights from the weights
-themselves), so their formats hold inputs and activations.
+themselves), so their formats hold inputs and activations, each with one per-tensor range.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,6 +55,8 @@ def export(profile: dict, fmt: str, options: CalibrationOptions) -> str:
             "TensorRT calibration caches hold symmetric int8 scales: use scheme 'sym' and dtype "
             f"'int8' (got {options.scheme!r}, {options.dtype!r})"
         )
+    if fmt != "aimet":  # calibration tables hold one range per tensor
+        options = replace(options, granularity="per-tensor")
     params = [qparams_for(e, options) for e in profile["tensors"] if e["source_tensor"]]
     return writer(params)
 

@@ -20,6 +20,7 @@ Only finite values enter min, max, moments and histograms; NaN and inf are count
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -292,7 +293,9 @@ def _channel_range(values: np.ndarray, axis: int, has_nonfinite: bool) -> Channe
     axes = tuple(i for i in range(values.ndim) if i != axis)
     if has_nonfinite:
         masked = np.where(np.isfinite(values), values, np.nan)
-        lo, hi = np.nanmin(masked, axis=axes), np.nanmax(masked, axis=axes)
+        with warnings.catch_warnings():  # a channel without finite values is recorded as None
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lo, hi = np.nanmin(masked, axis=axes), np.nanmax(masked, axis=axes)
     else:
         lo, hi = values.min(axis=axes), values.max(axis=axes)
     return ChannelRange(axis, _floats(lo), _floats(hi))

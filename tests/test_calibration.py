@@ -16,38 +16,8 @@ from profiler.calibration import (
     schema,
 )
 from profiler.errors import RangeprofError
-from profiler.statistics import TensorStats
 
-
-def entry(
-    values,
-    *,
-    kind: str = "activation",
-    bins: int | None = 2048,
-    channel_axis: int | None = None,
-    name: str = "t",
-    source_tensor: str | None = "t_out",
-) -> dict:
-    array = np.asarray(values, dtype=np.float32)
-    stats = TensorStats.observe(array, bins, channel_axis)
-    return {
-        "profile_id": name,
-        "source_node": name,
-        "source_tensor": source_tensor,
-        "kind": kind,
-        "shape": list(array.shape),
-        "dtype": "float32",
-        **stats.to_json(),
-    }
-
-
-def profile(*entries: dict) -> dict:
-    return {
-        "schema_version": "1.0",
-        "model": {"name": "m", "sha256": "0" * 64, "inputs": {"x": [1, 4]}},
-        "run": {},
-        "tensors": list(entries),
-    }
+from profile_builders import entry, profile
 
 
 def qp(values, **options):
@@ -277,7 +247,6 @@ def test_per_channel_weights_use_each_channels_max():
     assert entropy.method == "max" and entropy.scale == p.scale and "per-channel" in entropy.note
 
 
-@pytest.mark.filterwarnings("ignore:All-NaN slice")
 def test_per_channel_asymmetric_and_degenerate_channels():
     w = np.array([[-1.0, 3.0], [0.0, 0.0], [np.nan, np.nan]], dtype=np.float32)
     e = entry(w, kind="weight", channel_axis=0)
@@ -292,6 +261,13 @@ def test_per_channel_leaves_activations_per_tensor():
     e = entry(x, channel_axis=1)  # conv outputs carry per-channel ranges too
     p = qparams_for(e, CalibrationOptions(granularity="per-channel"))
     assert p.axis is None and isinstance(p.scale, float)
+
+
+def test_per_channel_applies_to_static_weight_transforms():
+    w = np.random.default_rng(5).standard_normal((4, 3)).astype(np.float32)
+    e = {**entry(w, channel_axis=1), "static": True}  # e.g. a Gemm's transposed weight
+    p = qparams_for(e, CalibrationOptions(granularity="per-channel"))
+    assert p.axis == 1 and p.scale == pytest.approx(tuple(np.abs(w).max(axis=0) / 127))
 
 
 # --- degenerate tensors ---------------------------------------------------------------------

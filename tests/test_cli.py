@@ -138,3 +138,29 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
     (tmp_path / "secrets.bin").write_bytes(b"\0" * 160)
     path = mb.save(model, folder)
     _fails_cleanly(["inspect", str(path)], "secrets.bin")
+
+
+def test_calibrate_and_export_commands(tmp_path):
+    from profiler.profiling import ProfileOptions, profile_model
+
+    doc = profile_model(mb.save(mb.gemm(), tmp_path), "random", options=ProfileOptions(samples=4))
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(doc))
+    out = tmp_path / "q.json"
+    args = ["calibrate", str(profile), "--method", "percentile", "--percentile", "99.9"]
+    result = runner.invoke(app, [*args, "--scheme", "asym", "--dtype", "uint8", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    qparams = {q["profile_id"]: q for q in json.loads(out.read_text())["qparams"]}
+    assert qparams["fc#2"]["dtype"] == "uint8" and qparams["fc#2"]["method"] == "percentile"
+
+    trt = tmp_path / "cache.txt"
+    result = runner.invoke(app, ["export", str(profile), "--format", "tensorrt", "--out", str(trt)])
+    assert result.exit_code == 0, result.output
+    lines = trt.read_text().splitlines()
+    assert lines[0].startswith("TRT-") and any(line.startswith("y: ") for line in lines)
+
+    _fails_cleanly(["calibrate", str(profile), "--method", "magic", "--out", str(out)], "magic")
+    _fails_cleanly(["export", str(profile), "--format", "csv", "--out", str(trt)], "csv")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"schema_version": "0.1"}')
+    _fails_cleanly(["calibrate", str(broken), "--out", str(out)], "schema_version")

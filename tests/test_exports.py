@@ -19,11 +19,12 @@ from onnxruntime.quantization.calibrate import (
     load_tensors_data,
 )
 from onnxruntime.quantization.quant_utils import write_calibration_table
-from test_calibration import entry, profile
 
 from profiler.calibration import CalibrationOptions, qparams_for
 from profiler.errors import RangeprofError
 from profiler.exports import AIMET_VERSION, TENSORRT_HEADER, export
+
+from profile_builders import entry, profile
 
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal((8, 4)).astype(np.float32) * 2 + 0.5
@@ -33,17 +34,20 @@ Z = np.maximum(Y, 0)
 
 
 def matmul_profile() -> dict:
-    """The profile of ``z = relu(x @ w)``, plus a Relax-internal binding with no ONNX name."""
+    """The profile of ``z = relu(x @ w)``, plus a static weight transform and a Relax-internal
+    binding with no ONNX name."""
+    transposed = {**entry(W.T, channel_axis=0, name="tr", source_tensor="w_t"), "static": True}
     return profile(
         entry(X, kind="input", name="input:x", source_tensor="x"),
         entry(W, kind="weight", channel_axis=1, name="weight:w", source_tensor="w"),
+        transposed,
         entry(Y, name="mm", source_tensor="y"),
         entry(Y * 2, name="mm#1", source_tensor=None),
         entry(Z, name="relu", source_tensor="z"),
     )
 
 
-def by_name(doc: dict, fmt: str, options: CalibrationOptions) -> dict:
+def by_name(doc: dict, options: CalibrationOptions) -> dict:
     return {e["source_tensor"]: qparams_for(e, options) for e in doc["tensors"]}
 
 
@@ -56,8 +60,8 @@ def test_aimet_encodings():
     out = json.loads(export(doc, "aimet", options))
     assert out["version"] == AIMET_VERSION == "2.0.0"
     encodings = {e["name"]: e for e in out["encodings"]}
-    assert list(encodings) == ["x", "w", "y", "z"]  # the unnamed binding is left out
-    expected = by_name(doc, "aimet", options)
+    assert list(encodings) == ["x", "w", "w_t", "y", "z"]  # the unnamed binding is left out
+    expected = by_name(doc, options)
     x = encodings["x"]
     assert x == {
         "name": "x",
@@ -69,6 +73,7 @@ def test_aimet_encodings():
     assert w["axis"] == 1 and w["output_dtype"] == "uint8"
     assert w["y_scale"] == list(expected["w"].scale) and len(w["y_scale"]) == 3
     assert w["y_zero_point"] == list(expected["w"].zero_point)
+    assert encodings["w_t"]["axis"] == 0 and len(encodings["w_t"]["y_scale"]) == 3
     for e in encodings.values():
         assert isinstance(e["y_scale"], float | list) and e["y_scale"]
 
@@ -105,20 +110,20 @@ def test_ort_json_is_what_ort_writes(options):
     theirs = ort_tensors_data(doc, options).to_dict()
     theirs["smooth_quant"] = False  # as save_tensors_data writes it
     assert ours == json.loads(json.dumps(theirs, cls=CalibrationCacheEncoder))
-    assert list(ours["data"]) == ["x", "y", "z"]  # activations only, ONNX names
+    assert list(ours["data"]) == ["x", "w_t", "y", "z"]  # no weights, ONNX names only
 
 
 def test_ort_lines_are_what_ort_writes(tmp_path):
     doc = matmul_profile()
-    options = CalibrationOptions(method="entropy")
+    options = CalibrationOptions(method="entropy", granularity="per-channel")
     cache = tmp_path / "calibration.json"
     cache.write_text(export(doc, "ort-json", options))
     write_calibration_table(load_tensors_data(cache), dir=str(tmp_path))
     ours = export(doc, "ort", options)
     assert ours == (tmp_path / "calibration.cache").read_text()
     lines = [line.split(" ") for line in ours.splitlines()]
-    assert [name for name, _ in lines] == ["x", "y", "z"]
-    expected = by_name(doc, "ort", options)
+    assert [name for name, _ in lines] == ["w_t", "x", "y", "z"]  # sorted, per-tensor
+    expected = by_name(doc, CalibrationOptions(method="entropy"))
     for name, value in lines:
         assert float(value) == float(np.float32(expected[name].threshold))
 
@@ -159,11 +164,11 @@ def test_quantize_static_reproduces_our_parameters(tmp_path):
     init = {
         i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "q.onnx").graph.initializer
     }
-    ours = by_name(doc, "ort-json", options)
+    ours = by_name(doc, options)
     for name in ("x", "z"):  # MatMul and Relu fuse: y is not quantized on its own
         assert init[f"{name}_scale"] == pytest.approx(ours[name].scale, rel=1e-6)
         assert int(init[f"{name}_zero_point"]) == ours[name].zero_point
-    weight = qparams_for(doc["tensors"][1], CalibrationOptions())
+    weight = qparams_for(doc["tensors"][1], CalibrationOptions())  # max|w| / 127
     assert init["w_scale"] == pytest.approx(weight.scale, rel=1e-6)
 
 
@@ -175,7 +180,7 @@ def test_tensorrt_cache_round_trips_to_the_scale():
     options = CalibrationOptions(method="percentile", percentile=99.9)
     header, *lines = export(doc, "tensorrt", options).splitlines()
     assert header == TENSORRT_HEADER == "TRT-8601-EntropyCalibration2"
-    expected = by_name(doc, "tensorrt", options)
+    expected = by_name(doc, options)
     names = []
     for line in lines:
         name, hexbits = line.split(": ")
@@ -184,7 +189,7 @@ def test_tensorrt_cache_round_trips_to_the_scale():
         assert scale == float(np.float32(expected[name].scale))
         assert scale == pytest.approx(expected[name].threshold / 127, rel=1e-7)
         names.append(name)
-    assert names == ["x", "y", "z"]
+    assert names == ["x", "w_t", "y", "z"]
 
 
 def test_tensorrt_needs_symmetric_int8():
@@ -195,5 +200,5 @@ def test_tensorrt_needs_symmetric_int8():
 
 
 def test_unknown_format():
-    with pytest.raises(RangeprofError, match="unknown export format 'onnx'.*aimet, ort"):
+    with pytest.raises(RangeprofError, match=r"unknown export format 'onnx'.*aimet, ort"):
         export(matmul_profile(), "onnx", CalibrationOptions())

@@ -11,7 +11,6 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from ort_reference import exposed_session, reference_ranges
 from tvm import relax
 
 from profiler.data import model_inputs, open_data
@@ -24,6 +23,7 @@ from profiler.profiling import ProfileOptions, profile_model
 
 import onnx_builders as mb
 from conftest import SHARED, ZOO_SHAPES, zoo_model
+from ort_reference import exposed_session, reference_ranges
 
 
 def _cli_profile(model, data, out, *extra):
