@@ -440,6 +440,7 @@ def _clip_error(counts: list[int], first: int, edges: np.ndarray, above: bool) -
     With ``t_j = 2j + 1``, ``4 (c_j - k)^2 = t_j^2 - 4k t_j + 4k^2``: prefix sums of ``f``,
     ``f t`` and ``f t^2`` in Python integers stay exact however large counts and indices get.
     """
+    counts = [int(c) for c in counts]  # Python ints: the products below outgrow int64
     odd = range(2 * first + 1, 2 * (first + len(counts)) + 1, 2)
     s0 = [0, *accumulate(counts)]
     s1 = [0, *accumulate(f * t for f, t in zip(counts, odd, strict=True))]

@@ -55,7 +55,7 @@ def canonical_exponent(vmin: float, vmax: float, bins: int) -> int:
     return exponent
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Histogram:
     """Counts of finite values in bins ``[(offset+k)*w, (offset+k+1)*w)`` with ``w = 2**exponent``.
 
@@ -66,7 +66,18 @@ class Histogram:
     bins: int
     exponent: int
     offset: int
-    counts: tuple[int, ...]
+    counts: np.ndarray  # int64, never mutated
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Histogram):
+            return NotImplemented
+        return (self.bins, self.exponent, self.offset) == (
+            other.bins,
+            other.exponent,
+            other.offset,
+        ) and np.array_equal(self.counts, other.counts)
+
+    __hash__ = None  # mutable-array field: not hashable
 
     @property
     def width(self) -> float:
@@ -93,14 +104,15 @@ class Histogram:
         scaled = np.ldexp(np.asarray(finite, dtype=np.float64).ravel(), -exponent)  # exact
         index = np.floor(scaled, out=scaled).astype(np.int64) - offset
         length = math.floor(math.ldexp(vmax, -exponent)) - offset + 1
-        counts = np.bincount(index, minlength=length)
-        return cls(bins, exponent, offset, tuple(int(c) for c in counts))
+        return cls(bins, exponent, offset, np.bincount(index, minlength=length))
 
     def rebinned(self, exponent: int, offset: int, length: int) -> np.ndarray:
         """Counts at a coarser (or equal) exponent, as ``length`` bins from ``offset``."""
         shift = exponent - self.exponent
         index = (np.arange(len(self.counts), dtype=np.int64) + self.offset) >> shift
-        return np.bincount(index - offset, weights=self.counts, minlength=length)[:length]
+        # Counts stay below 2**53, so float64 weights add them exactly.
+        total = np.bincount(index - offset, weights=self.counts, minlength=length)[:length]
+        return total.astype(np.int64)
 
     def merge(self, other: Histogram, vmin: float, vmax: float) -> Histogram:
         """The histogram of both sides' data, whose overall min and max are given."""
@@ -110,7 +122,7 @@ class Histogram:
         offset = math.floor(math.ldexp(vmin, -exponent))
         length = math.floor(math.ldexp(vmax, -exponent)) - offset + 1
         total = self.rebinned(exponent, offset, length) + other.rebinned(exponent, offset, length)
-        return Histogram(self.bins, exponent, offset, tuple(int(c) for c in total))
+        return Histogram(self.bins, exponent, offset, total)
 
     def to_json(self) -> dict:
         return {
@@ -119,12 +131,13 @@ class Histogram:
             "offset": self.offset,
             "lo": self.lo,
             "hi": self.hi,
-            "counts": list(self.counts),
+            "counts": self.counts.tolist(),
         }
 
     @classmethod
     def from_json(cls, doc: dict) -> Histogram:
-        return cls(doc["bins"], doc["exponent"], doc["offset"], tuple(doc["counts"]))
+        counts = np.asarray(doc["counts"], dtype=np.int64)
+        return cls(doc["bins"], doc["exponent"], doc["offset"], counts)
 
 
 @dataclass(frozen=True)
@@ -216,7 +229,8 @@ class TensorStats:
         if finite.size == 0:
             return cls(count=flat.size, nan_count=nan_count, inf_count=inf_count)
         vmin, vmax = float(finite.min()), float(finite.max())
-        sum_sq = np.dot(wide, wide)
+        # numpy's pairwise sum, not BLAS: deterministic, and no BLAS threads fighting TVM's pool.
+        sum_sq = np.square(wide).sum()
         if not math.isfinite(sum_sq):  # float32 squares overflow float64 only past 1e154
             sum_sq = math.fsum(float(v) * float(v) for v in finite)
         histogram = Histogram.of(finite, vmin, vmax, bins) if bins else None
