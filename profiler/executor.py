@@ -120,7 +120,7 @@ def compile_program(
     input_names: list[str],
     bins: int | None = DEFAULT_BINS,
     target: tvm.target.Target | None = None,
-) -> ProfilingProgram:
+) -> tuple[relax.VMExecutable, ProfilingProgram]:
     """Compiles the instrumented program; observes data-independent tensors right away."""
     instrumented, observed, static = instrument(mod, layers)
     instrumented = relax.transform.DecomposeOpsForInference()(instrumented)
@@ -135,7 +135,7 @@ def compile_program(
         for obs, value in zip(static, result[1 + len(observed) :], strict=True):
             array = np.from_dlpack(value)
             program.static[obs.profile_id] = TensorStats.observe(array, bins, _axis(obs, array))
-    return program
+    return executable, program
 
 
 def _shape(param: relax.Var) -> list[int]:

@@ -17,9 +17,9 @@ from pathlib import Path
 import jsonschema
 
 from .errors import RangeprofError
-from .importer import ImportedModel
-from .stages import Stage
+from .onnx_load import LoadedModel
 from .statistics import TensorStats
+from .tagging import LayerRecord
 
 SCHEMA_VERSION = "1.0"
 
@@ -34,16 +34,17 @@ def schema() -> dict:
 
 
 def build_document(
-    imported: ImportedModel,
-    stages: list[Stage],
+    loaded: LoadedModel,
+    layers: list[LayerRecord],
+    fates: dict[str, str],
+    stages: list[dict],
     stats: dict[str, TensorStats],
     static_ids: set[str],
     run: dict,
 ) -> dict:
-    """The profile document for one model, in layer order."""
-    loaded = imported.loaded
+    """The profile document for one model, in layer order; ``stages`` are stage reports."""
     tensors = []
-    for layer in imported.layers:
+    for layer in layers:
         record = stats.get(layer.profile_id)
         if record is None:
             continue  # tuples and integer tensors have no range to record
@@ -71,10 +72,7 @@ def build_document(
         },
         "run": run,
         "tensors": tensors,
-        "lineage": {
-            "fates": dict(sorted(imported.fates.items())),
-            "stages": [s.report.to_json() for s in stages],
-        },
+        "lineage": {"fates": dict(sorted(fates.items())), "stages": stages},
     }
 
 

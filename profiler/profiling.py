@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import tvm
 from tvm import relax
 
+from .build_cache import BuildCache, cache_key
 from .data import Preprocess, model_inputs, open_data
 from .errors import InputShapeError
-from .executor import ProfilingProgram, compile_program
+from .executor import Observed, ProfilingProgram, compile_program, host_target
 from .importer import ImportedModel, import_onnx
 from .onnx_load import LoadedModel, load_model
 from .profile import build_document
 from .spans import ids_of
 from .stages import run_stages
 from .statistics import DEFAULT_BINS, TensorStats
+from .tagging import LayerRecord
 
 
 @dataclass(frozen=True)
@@ -45,18 +47,57 @@ class ProfileOptions:
 Progress = Callable[[int, int], None]  # (samples done, samples total)
 
 
+@dataclass
+class _Prepared:
+    """A compiled program for one batch size, and the model facts its build produced."""
+
+    program: ProfilingProgram
+    layers: list[LayerRecord]
+    fates: dict[str, str]
+    stages: list[dict]  # stage reports as JSON
+    cached: bool
+
+
+def _prepare(loaded: LoadedModel, bins: int | None, cache: BuildCache) -> _Prepared:
+    """Import, track and compile ``loaded`` — or take all of it from the build cache."""
+    target = host_target()
+    names = list(loaded.input_shapes)
+    key = cache_key("profile", loaded.sha256, loaded.input_shapes, target, bins=bins)
+    hit = cache.load(key)
+    if hit is not None:
+        vm, side = hit
+        observed = [Observed(**o) for o in side["observed"]]
+        static = {k: TensorStats.from_json(v) for k, v in side["static"].items()}
+        layers = [LayerRecord(**layer) for layer in side["layers"]]
+        return _Prepared(
+            ProfilingProgram(vm, names, observed, static),
+            layers,
+            side["fates"],
+            side["stages"],
+            cached=True,
+        )
+    imported = import_onnx(loaded)
+    ids = {layer.profile_id for layer in imported.layers}
+    stages = [s.report.to_json() for s in run_stages(imported.mod, ids, imported.fates)]
+    executable, program = compile_program(imported.mod, imported.layers, names, bins, target)
+    program.static.update(_weight_stats(imported, bins))
+    sidecar = {
+        "observed": [asdict(o) for o in program.observed],
+        "static": {k: v.to_json() for k, v in program.static.items()},
+        "layers": [layer.to_json() for layer in imported.layers],
+        "fates": imported.fates,
+        "stages": stages,
+    }
+    cache.store(key, executable, sidecar)
+    return _Prepared(program, imported.layers, imported.fates, stages, cached=False)
+
+
 class _Programs:
-    """Instrumented programs by batch size (a smaller last batch needs its own build)."""
+    """Programs by batch size (a smaller last batch needs its own build)."""
 
-    def __init__(self, path: Path, shapes: dict, imported: ImportedModel, bins: int | None):
-        self.path, self.shapes, self.bins = path, shapes, bins
-        self.by_batch: dict[int, ProfilingProgram] = {}
-        batch = _batch_of(imported.loaded)
-        self.by_batch[batch] = self._compile(imported)
-
-    def _compile(self, imported: ImportedModel) -> ProfilingProgram:
-        names = list(imported.loaded.input_shapes)
-        return compile_program(imported.mod, imported.layers, names, self.bins)
+    def __init__(self, path: Path, first: _Prepared, shapes: dict, bins, cache: BuildCache):
+        self.path, self.shapes, self.bins, self.cache = path, shapes, bins, cache
+        self.by_batch = {next(iter(shapes.values()))[0]: first.program}
 
     def get(self, batch: int) -> ProfilingProgram:
         if batch not in self.by_batch:
@@ -67,7 +108,7 @@ class _Programs:
                     f"a last batch of {batch} samples does not fit the model ({err}); "
                     "use a sample count that the batch size divides"
                 ) from None
-            self.by_batch[batch] = self._compile(import_onnx(loaded))
+            self.by_batch[batch] = _prepare(loaded, self.bins, self.cache).program
         return self.by_batch[batch]
 
 
@@ -140,6 +181,7 @@ def profile_model(
     options: ProfileOptions = ProfileOptions(),
     preprocess: Preprocess | None = None,
     progress: Progress | None = None,
+    cache: BuildCache | None = None,
 ) -> dict:
     """Profiles one ONNX model on calibration data; returns the profile document."""
     path = Path(path)
@@ -161,20 +203,18 @@ def profile_model(
         seed=options.seed,
         preprocess=preprocess,
     )
-    imported = import_onnx(loaded)
-    ids = {layer.profile_id for layer in imported.layers}
-    stages = run_stages(imported.mod, ids, imported.fates)
-    mark = lap("import_s", start)
     bins = options.bins or None
-    programs = _Programs(path, dict(loaded.input_shapes), imported, bins)
+    cache = BuildCache() if cache is None else cache
+    prepared = _prepare(loaded, bins, cache)
+    programs = _Programs(path, prepared, dict(loaded.input_shapes), bins, cache)
     if source.num_samples % batch_size:
         programs.get(source.num_samples % batch_size)  # fail before the run if it cannot build
-    mark = lap("compile_s", mark)
+    mark = lap("prepare_s", start)  # load, import, track stages, compile (or cache hits)
 
-    stats: dict[str, TensorStats] = dict(_weight_stats(imported, bins))
-    stats.update(programs.get(batch_size).static)
-    input_ids = {r.source_tensor: r.profile_id for r in imported.layers if r.kind == "input"}
+    program = programs.get(batch_size)
+    stats: dict[str, TensorStats] = dict(program.static)
     static_ids = set(stats)
+    input_ids = {r.source_tensor: r.profile_id for r in prepared.layers if r.kind == "input"}
     done = 0
     for batch in source.batches():
         size = next(iter(batch.values())).shape[0]
@@ -196,7 +236,10 @@ def profile_model(
         "batches": source.num_batches,
         "data": data,
         "options": {**options.to_json(), "batch_size": batch_size},
+        "build_cache": "hit" if prepared.cached else "miss",
         "timings": timings,
         "tvm_version": tvm.__version__,
     }
-    return build_document(imported, stages, stats, static_ids, run)
+    return build_document(
+        loaded, prepared.layers, prepared.fates, prepared.stages, stats, static_ids, run
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,9 @@ def zoo_model(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"shared model zoo not available ({path})")
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_build_cache(tmp_path_factory):
+    """Each test session starts with an empty build cache (subprocesses inherit it)."""
+    os.environ["RANGEPROF_CACHE"] = str(tmp_path_factory.mktemp("build-cache"))

@@ -166,3 +166,24 @@ def test_bad_data_is_rejected_by_the_cli(tmp_path):
         assert result.exit_code == 2, result.output
         assert needle in result.stderr.strip().splitlines()[-1]
         assert not (tmp_path / "x.json").exists()
+
+
+def test_second_run_reuses_the_build(tmp_path):
+    from profiler.build_cache import BuildCache
+
+    path = mb.save(mb.conv_bn_relu_scale(), tmp_path)
+    cache = BuildCache(tmp_path / "cache")
+    options = ProfileOptions(samples=3, bins=128)
+    cold = profile_model(path, "random", options=options, cache=cache)
+    warm = profile_model(path, "random", options=options, cache=cache)
+    assert (cold["run"]["build_cache"], warm["run"]["build_cache"]) == ("miss", "hit")
+    assert tensors_bytes(cold) == tensors_bytes(warm)
+    assert cold["lineage"] == warm["lineage"]
+    # Another bin count is another program; a sidecar-less library is a miss, not a crash.
+    other = profile_model(path, "random", options=ProfileOptions(samples=3, bins=64), cache=cache)
+    assert other["run"]["build_cache"] == "miss"
+    for sidecar in (tmp_path / "cache").glob("*.json"):
+        sidecar.unlink()
+    again = profile_model(path, "random", options=options, cache=cache)
+    assert again["run"]["build_cache"] == "miss"
+    assert tensors_bytes(again) == tensors_bytes(cold)
