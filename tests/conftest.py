@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# Import our package before anything imports onnxruntime.quantization, which puts
+# onnxruntime/transformers (holding a profiler.py) on sys.path.
+import profiler  # noqa: F401
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MODELS = SHARED / "models"
 
