@@ -163,6 +163,19 @@ Granularity = Annotated[str, typer.Option(help="per-tensor | per-channel (weight
 PowerOfTwo = Annotated[bool, typer.Option(help="Round scales up to powers of two.")]
 
 
+def _options(method, percentile, scheme, dtype, granularity, power_of_two):
+    from .calibration import CalibrationOptions
+
+    return CalibrationOptions(
+        method=method,
+        percentile=percentile,
+        scheme=scheme,
+        dtype=dtype,
+        granularity=granularity,
+        power_of_two=power_of_two,
+    )
+
+
 @app.command()
 def calibrate(
     profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
@@ -175,19 +188,11 @@ def calibrate(
     power_of_two: PowerOfTwo = False,
 ) -> None:
     """Derive quantization parameters per profileID from a stored profile."""
-    from .calibration import CalibrationOptions
     from .calibration import calibrate as derive
     from .profile import load_profile
 
     try:
-        options = CalibrationOptions(
-            method=method,
-            percentile=percentile,
-            scheme=scheme,
-            dtype=dtype,
-            granularity=granularity,
-            power_of_two=power_of_two,
-        )
+        options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
         doc = derive(load_profile(profile_path), options)
     except RangeprofError as err:
         raise _fail(err) from None
@@ -205,20 +210,14 @@ def export(
     scheme: Scheme = "sym",
     dtype: Dtype = "int8",
     granularity: Granularity = "per-tensor",
+    power_of_two: PowerOfTwo = False,
 ) -> None:
     """Write the profile's ranges in another tool's format."""
-    from .calibration import CalibrationOptions
     from .exports import export as render
     from .profile import load_profile
 
     try:
-        options = CalibrationOptions(
-            method=method,
-            percentile=percentile,
-            scheme=scheme,
-            dtype=dtype,
-            granularity=granularity,
-        )
+        options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
         text = render(load_profile(profile_path), fmt, options)
     except RangeprofError as err:
         raise _fail(err) from None
