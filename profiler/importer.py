@@ -107,13 +107,6 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
         return sym
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    for entry in model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return int(entry.version)
-    return 1
-
-
 def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict) -> dict:
     """Maps each binding Var of ``func`` to the ONNX node it was built for.
 
@@ -158,7 +151,7 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
     importer = _TrackingImporter(dict(loaded.input_shapes), dict(loaded.input_dtypes), graph)
     # The stock importer prints the inputs of a node it fails on; the error we raise says it all.
     with contextlib.redirect_stdout(io.StringIO()):
-        mod = importer.from_onnx(graph, _opset(model))
+        mod = importer.from_onnx(graph, loaded.opset)
     func = mod["main"]
     tensors = importer._nodes
 
