@@ -26,9 +26,10 @@ import tvm
 from tvm import relax
 
 from profiler.data import model_inputs, open_data
-from profiler.executor import host_target, instrument
+from profiler.executor import instrument
 from profiler.importer import import_onnx
 from profiler.onnx_load import load_model
+from profiler.schedules import host_target
 from profiler.statistics import TensorStats
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

@@ -55,20 +55,13 @@ def fig_fp32(name: str, runs: int = 20) -> dict:
     import tvm
     from tvm import relax
 
-    from profiler.executor import host_target
     from profiler.importer import import_onnx
     from profiler.onnx_load import load_model
+    from profiler.schedules import build
 
     mod = import_onnx(load_model(_model(name))).mod
     start = time.perf_counter()
-    try:
-        from profiler.schedules import build  # the fast build path, when present
-    except ImportError:
-
-        def build(m, target):
-            return tvm.compile(relax.transform.DecomposeOpsForInference()(m), target=target)
-
-    vm = relax.VirtualMachine(build(mod, host_target()), tvm.cpu())
+    vm = relax.VirtualMachine(build(mod), tvm.cpu())
     build_s = time.perf_counter() - start
     args = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in _batches(name, 1)[0].values()]
     vm["main"](*args)

@@ -17,25 +17,19 @@ once, not per batch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, topi
 
 from .bindings import function_bindings, used_vars
+from .schedules import build
 from .spans import ids_of
 from .statistics import DEFAULT_BINS, TensorStats
 from .tagging import LayerRecord
 
 _CHANNEL_AXIS_BY_OP = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1, "MatMul": -1}
-
-
-def host_target() -> tvm.target.Target:
-    """The host CPU, every core."""
-    cpu = str(tvm.target.codegen.llvm_get_system_cpu())
-    return tvm.target.Target({"kind": "llvm", "mcpu": cpu, "num-cores": os.cpu_count()})
 
 
 @dataclass(frozen=True)
@@ -88,7 +82,9 @@ def instrument(mod: tvm.IRModule, layers: list[LayerRecord]) -> tuple[tvm.IRModu
     by_id = {layer.profile_id: layer for layer in layers}
     depends = set(func.params)
     observed, static = [], []
+    values = {}
     for ref in function_bindings("main", func):
+        values[ref.var] = ref.value
         if any(v in depends for v in used_vars(ref.value)):
             depends.add(ref.var)
         ty = ref.var.ty
@@ -100,18 +96,37 @@ def instrument(mod: tvm.IRModule, layers: list[LayerRecord]) -> tuple[tvm.IRModu
         entry = (ref.var, Observed(profile_id, channel_axis(by_id[profile_id])))
         (observed if ref.var in depends else static).append(entry)
 
-    exposed = [var for var, _ in observed + static]
-    bb = relax.BlockBuilder()
-    with bb.function("main", list(func.params), attrs=dict(func.attrs)):
+    bb = relax.BlockBuilder(mod)
+    with bb.function("observed_main", list(func.params), attrs=dict(func.attrs)):
         with bb.dataflow():
             for block in func.body.blocks:
                 for binding in block.bindings:
                     bb.emit_normalized(binding)
+            exposed = [_observable(bb, var, values[var]) for var, _ in observed + static]
             out = bb.emit_output(relax.Tuple([func.body.body, *exposed]))
         bb.emit_func_output(out)
-    instrumented = mod.clone()
-    instrumented["main"] = bb.get()["main"]
+    instrumented = bb.get()
+    for gvar, prim in list(instrumented.functions_items()):
+        if gvar.name_hint.startswith(_RECOMPUTE):
+            instrumented[gvar] = prim.with_attr("op_pattern", _OPAQUE)
+    instrumented["main"] = instrumented["observed_main"]
+    del instrumented["observed_main"]
     return instrumented, [o for _, o in observed], [o for _, o in static]
+
+
+# Exposing a product that the model then adds to would stop LLVM from contracting the two into a
+# fused multiply-add, changing the model's output in the last bit. Products are therefore
+# observed through a recomputation in a kernel of its own (opaque: never fused), which rounds
+# exactly as the initial IR says, while the model's own kernels stay as they are.
+_MULTIPLY = tvm.ir.Op.get("relax.multiply")
+_RECOMPUTE = "observe_multiply"
+_OPAQUE = 8  # TVM's kOpaque op pattern
+
+
+def _observable(bb: relax.BlockBuilder, var: relax.Var, value: relax.Expr) -> relax.Expr:
+    if isinstance(value, tvm.ir.Call) and value.op.same_as(_MULTIPLY):
+        return bb.emit_te(topi.multiply, *value.args, primfunc_name_hint=_RECOMPUTE)
+    return var
 
 
 def compile_program(
@@ -123,8 +138,7 @@ def compile_program(
 ) -> tuple[relax.VMExecutable, ProfilingProgram]:
     """Compiles the instrumented program; observes data-independent tensors right away."""
     instrumented, observed, static = instrument(mod, layers)
-    instrumented = relax.transform.DecomposeOpsForInference()(instrumented)
-    executable = tvm.compile(instrumented, target=target or host_target())
+    executable = build(instrumented, target, fold_scales=False)
     vm = relax.VirtualMachine(executable, tvm.cpu())
     program = ProfilingProgram(vm, input_names, observed, {})
     if static:

@@ -18,10 +18,11 @@ from tvm import relax
 from .build_cache import BuildCache, cache_key
 from .data import Preprocess, model_inputs, open_data
 from .errors import InputShapeError
-from .executor import Observed, ProfilingProgram, compile_program, host_target
+from .executor import Observed, ProfilingProgram, compile_program
 from .importer import ImportedModel, import_onnx
 from .onnx_load import LoadedModel, load_model
 from .profile import build_document
+from .schedules import host_target
 from .spans import ids_of
 from .stages import run_stages
 from .statistics import DEFAULT_BINS, TensorStats

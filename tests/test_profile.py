@@ -15,11 +15,12 @@ from tvm import relax
 
 from profiler.data import model_inputs, open_data
 from profiler.errors import InputShapeError
-from profiler.executor import host_target, instrument
+from profiler.executor import instrument
 from profiler.importer import import_onnx
 from profiler.onnx_load import load_model
 from profiler.profile import load_profile, merge_profiles, tensors_bytes, validate
 from profiler.profiling import ProfileOptions, profile_model
+from profiler.schedules import build
 
 import onnx_builders as mb
 from conftest import SHARED, ZOO_SHAPES, zoo_model
@@ -90,8 +91,7 @@ def test_instrumented_outputs_are_bitwise_equal(tmp_path):
     x = np.random.default_rng(3).normal(size=(1, 3, 6, 6)).astype("float32")
 
     def run(mod):
-        mod = relax.transform.DecomposeOpsForInference()(mod)
-        vm = relax.VirtualMachine(tvm.compile(mod, target=host_target()), tvm.cpu())
+        vm = relax.VirtualMachine(build(mod, fold_scales=False), tvm.cpu())
         return vm["main"](tvm.runtime.tensor(x))
 
     plain = run(imported.mod).numpy()
@@ -187,3 +187,16 @@ def test_second_run_reuses_the_build(tmp_path):
     again = profile_model(path, "random", options=options, cache=cache)
     assert again["run"]["build_cache"] == "miss"
     assert tensors_bytes(again) == tensors_bytes(cold)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", ["ppocr_cls", "mobilenet_v2"])
+def test_instrumented_zoo_outputs_are_bitwise_equal(name):
+    imported = import_onnx(load_model(zoo_model(name), ZOO_SHAPES[name]))
+    instrumented, observed, _ = instrument(imported.mod, imported.layers)
+    param = imported.mod["main"].params[0]
+    x = np.random.default_rng(4).normal(size=[int(d) for d in param.ty.shape.values])
+    arg = tvm.runtime.tensor(x.astype("float32"))
+    plain = relax.VirtualMachine(build(imported.mod, fold_scales=False), tvm.cpu())
+    profiled = relax.VirtualMachine(build(instrumented, fold_scales=False), tvm.cpu())
+    assert plain["main"](arg).numpy().tobytes() == profiled["main"](arg)[0].numpy().tobytes()

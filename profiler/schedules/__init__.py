@@ -1,0 +1,11 @@
+"""A fast FP32 CPU build path: NHWC layout, prepacked weights, rule-based schedules per kernel.
+
+``build(mod, target=None)`` compiles a Relax module as our importer produces it (NCHW) into a
+``tvm.runtime.Executable``; ``relax_pipeline(target)`` is the same pipeline as a pass for
+``tvm.compile``. :mod:`.pipeline` lists the passes; each operator family's module documents its
+rules.
+"""
+
+from .pipeline import build, host_target, relax_pipeline
+
+__all__ = ["build", "host_target", "relax_pipeline"]

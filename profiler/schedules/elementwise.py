@@ -1,0 +1,119 @@
+"""Injective and reduction kernels, epilogues, and the generic fallback schedule.
+
+Rules (each PrimFunc that no operator rule claims gets :func:`schedule_generic`):
+
+* **Inline what can be inlined.** Every non-output block is inlined into its consumer (or, for
+  blocks after a reduction, its producer) when TIR allows it: padding, broadcasts, transposes and
+  epilogues then cost no memory pass of their own.
+* **Spatial blocks**: all loops fused, split into a ``parallel`` outer loop over both cores and a
+  16-wide inner loop (one AVX-512 vector of float32) that is vectorised when the extent divides
+  evenly, so no tail predicate lands in the vector loop. Tiny blocks stay serial: waking the
+  thread pool costs more than they do.
+* **Reduction blocks** (mean, softmax sums and maxima, layer norm statistics): their spatial loops
+  fused and ``parallel``, the reduction loop serial inside.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+
+VECTOR = 16  # float32 lanes in an AVX-512 register
+# Below this many output elements a kernel runs on one core (a parallel launch costs ~2 µs).
+_PARALLEL_MIN = 4096
+
+
+def extent(sch: s_tir.Schedule, loop) -> int:
+    return int(sch.get(loop).extent)
+
+
+def largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` that is at most ``cap`` (1 if none is larger)."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def is_reduction(sch: s_tir.Schedule, block) -> bool:
+    return any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
+
+
+def root_blocks(sch: s_tir.Schedule) -> list:
+    return list(sch.get_child_blocks(sch.get_sblock("root")))
+
+
+def inline_all(sch: s_tir.Schedule, keep=()) -> None:
+    """Inlines every block that TIR lets us inline except the ``keep`` blocks (by name)."""
+    progress = True
+    while progress:
+        progress = False
+        blocks = root_blocks(sch)
+        outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(sch.get_sblock("root"))}
+        for block in blocks:
+            name = sch.get(block).name_hint
+            if name in keep or name in outputs or is_reduction(sch, block):
+                continue
+            for inline in (sch.compute_inline, sch.reverse_compute_inline):
+                try:
+                    inline(block)
+                except Exception:  # TIR refuses (e.g. a non-injective read): keep the block
+                    continue
+                progress = True
+                break
+            if progress:
+                break
+
+
+def inline_epilogue(sch: s_tir.Schedule, block, keep=()):
+    """Inlines everything around ``block`` (but ``keep``) and returns its single output block.
+
+    The epilogue may be a DAG (GELU reads the matmul twice); after inlining, one block is left
+    that writes the function's output. When ``block`` writes the output directly, a cache-write
+    block takes that role, so the caller can always compute ``block`` inside its consumer's
+    tile. Raises ``ValueError`` when no single output block remains.
+    """
+    inline_all(sch, keep={sch.get(block).name_hint, *keep})
+    consumers = sch.get_consumers(block)
+    if not consumers:
+        return sch.cache_write(block, 0, "global")
+    if len(consumers) != 1 or sch.get_consumers(consumers[0]):
+        raise ValueError("the epilogue does not reduce to one elementwise output block")
+    return consumers[0]
+
+
+def schedule_spatial(sch: s_tir.Schedule, block) -> None:
+    """``parallel`` outer × vectorised inner over the fused loops of a spatial block."""
+    loops = sch.get_loops(block)
+    if not loops:
+        return
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    total = extent(sch, fused)
+    inner = VECTOR if total % VECTOR == 0 else largest_divisor(total, VECTOR)
+    outer, inner_loop = sch.split(fused, [None, inner])
+    if inner > 1:
+        sch.vectorize(inner_loop)
+    if total >= _PARALLEL_MIN:
+        sch.parallel(outer)
+
+
+def schedule_reduction(sch: s_tir.Schedule, block) -> None:
+    """``parallel`` over the fused spatial loops of a reduction block, reduction serial."""
+    loops = sch.get_loops(block)
+    kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
+    spatial = [lp for lp, k in zip(loops, kinds, strict=True) if k == tirx.IterVar.DataPar]
+    reduce = [lp for lp, k in zip(loops, kinds, strict=True) if k != tirx.IterVar.DataPar]
+    if not spatial:
+        return
+    sch.reorder(*spatial, *reduce)
+    fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+    if extent(sch, fused) > 1:
+        sch.parallel(fused)
+
+
+def schedule_generic(sch: s_tir.Schedule) -> None:
+    """The fallback: inline, then parallelise and vectorise each remaining root block."""
+    inline_all(sch)
+    for block in root_blocks(sch):
+        if len(sch.get_loops(block)) != len(sch.get(block).iter_vars):
+            continue  # already nested by an earlier rule or opaque: leave it as it is
+        if is_reduction(sch, block):
+            schedule_reduction(sch, block)
+        else:
+            schedule_spatial(sch, block)

@@ -1,0 +1,112 @@
+"""The FP32 CPU build: layout rewrite, weight prepacking, fusion, a rule-based schedule per kernel.
+
+Order of passes, and why:
+
+1. ``DecomposeOpsForInference`` and :data:`~profiler.schedules.prepare.prepare` (numpy constant
+   folding, ``Clip`` back to operators): batch norms become per-channel constants.
+2. :class:`~profiler.passes.fold_scale_axis.FoldScaleAxis` folds them into conv / dense weights,
+   leaving one bias add per layer; ``prepare`` again makes those biases full rank.
+3. ``ConvertLayout`` to NHWC/OHWI: channels innermost, so every conv, pooling and elementwise
+   kernel vectorises over channels; ``prepare`` folds the transposed weights.
+4. ``LegalizeOps`` with our conv2d and matmul legalizations (weights repacked in numpy, at build
+   time), then ``FuseOps`` / ``FuseTIR`` keep elementwise epilogues in the conv / dense kernels.
+5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it
+   (:mod:`.conv2d`, :mod:`.dense`, :mod:`.pooling`), else the generic schedule of
+   :mod:`.elementwise`.
+6. TVM's own CPU lowering passes (dataflow lowering, memory planning, VM codegen).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import tvm
+from tvm import relax, s_tir, tirx
+from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+
+from profiler.passes.fold_scale_axis import FoldScaleAxis
+
+from .conv2d import legalize_conv2d, schedule_conv2d
+from .dense import legalize_matmul, schedule_dense
+from .elementwise import schedule_generic
+from .pooling import schedule_pooling
+from .prepare import prepare
+
+_LOG = logging.getLogger(__name__)
+_RULES = (schedule_conv2d, schedule_dense, schedule_pooling)
+
+
+def host_target() -> tvm.target.Target:
+    """The machine we run on, with all its cores."""
+    cpu = tvm.target.codegen.llvm_get_system_cpu()
+    return tvm.target.Target({"kind": "llvm", "mcpu": cpu, "num-cores": os.cpu_count()})
+
+
+def _schedule(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The first operator rule that claims ``func``, else the generic schedule."""
+    for rule in _RULES:
+        sch = s_tir.Schedule(func)
+        try:
+            if rule(sch):
+                return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        except (ValueError, RuntimeError) as err:  # a shape the rule does not cover
+            _LOG.info("%s: %s does not apply (%s)", name, rule.__name__, err)
+    sch = s_tir.Schedule(func)
+    schedule_generic(sch)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+@tvm.transform.module_pass(opt_level=0, name="ApplySchedules")
+def apply_schedules(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """One rule-based schedule per PrimFunc (see the module docstrings of each rule)."""
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc) and "tirx.is_scheduled" not in func.attrs:
+            mod[gvar] = _schedule(gvar.name_hint, func)
+    return mod
+
+
+def relax_pipeline(
+    target: tvm.target.Target | None = None, fold_scales: bool = True
+) -> tvm.transform.Pass:
+    """The Relax → VM pipeline to hand to ``tvm.compile(..., relax_pipeline=...)``.
+
+    ``fold_scales=False`` keeps batch norms and channel scales as fused epilogues instead of
+    folding them into the weights: the arithmetic of a program whose every tensor is observed
+    (where nothing can fold), so that observing changes no output bit.
+    """
+    target = target or host_target()
+    legalize = {"relax.nn.conv2d": legalize_conv2d, "relax.matmul": legalize_matmul}
+    layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
+    passes = [
+        relax.transform.DecomposeOpsForInference(),
+        prepare,
+        *([FoldScaleAxis(), prepare] if fold_scales else []),
+        relax.transform.ConvertLayout(layouts),
+        prepare,
+        relax.transform.LegalizeOps(customize_legalize_map=legalize),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        apply_schedules,
+        *cpu_generic.dataflow_lower_passes(target),
+        *cpu_generic.finalize_passes(target),
+    ]
+
+    @tvm.transform.module_pass(opt_level=0, name="RangeprofFP32Pipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def build(
+    mod: tvm.IRModule, target: tvm.target.Target | None = None, fold_scales: bool = True
+) -> tvm.runtime.Executable:
+    """Compiles a Relax module (NCHW, as imported) into a fast CPU executable.
+
+    ``profiler`` sets ``TVM_NUM_THREADS`` on import so that TVM's pool uses every core.
+    """
+    target = target or host_target()
+    return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target, fold_scales))
