@@ -12,7 +12,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 
-def _model(nodes, inits, x_shape, y_shape, name="test") -> onnx.ModelProto:
+def single_io_model(nodes, inits, x_shape, y_shape, name="test") -> onnx.ModelProto:
+    """A checked opset-17 model with input ``x``, output ``y`` and float32 initializers."""
     graph = helper.make_graph(
         nodes,
         name,
@@ -35,14 +36,16 @@ def save(model: onnx.ModelProto, folder: Path, name: str = "model.onnx") -> Path
 def gemm() -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
-    return _model([node], {"w": rng.normal(size=(5, 8)), "b": rng.normal(size=5)}, (2, 8), (2, 5))
+    return single_io_model(
+        [node], {"w": rng.normal(size=(5, 8)), "b": rng.normal(size=5)}, (2, 8), (2, 5)
+    )
 
 
 def conv_bias() -> onnx.ModelProto:
     rng = np.random.default_rng(1)
     node = helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])
     inits = {"w": rng.normal(size=(4, 3, 3, 3)), "b": rng.normal(size=4)}
-    return _model([node], inits, (1, 3, 6, 6), (1, 4, 6, 6))
+    return single_io_model([node], inits, (1, 3, 6, 6), (1, 4, 6, 6))
 
 
 def _bn_inits(rng, channels: int, prefix: str = "bn") -> dict:
@@ -70,7 +73,7 @@ def conv_bn_relu_scale(sign: float = 1.0) -> onnx.ModelProto:
         helper.make_node("Relu", ["n"], ["r"], name="relu"),
         helper.make_node("Mul", ["r", "s"], ["y"], name="scale"),
     ]
-    return _model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))
+    return single_io_model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))
 
 
 def scale_before_conv() -> onnx.ModelProto:
@@ -81,7 +84,7 @@ def scale_before_conv() -> onnx.ModelProto:
         helper.make_node("Mul", ["x", "s"], ["m"], name="scale"),
         helper.make_node("Conv", ["m", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
     ]
-    return _model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))
+    return single_io_model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))
 
 
 def constant_subgraph() -> onnx.ModelProto:
@@ -93,7 +96,7 @@ def constant_subgraph() -> onnx.ModelProto:
         helper.make_node("Mul", ["w", "k"], ["w2"], name="halve_w"),
         helper.make_node("MatMul", ["x", "w2"], ["y"], name="matmul"),
     ]
-    return _model(nodes, inits, (2, 8), (2, 5))
+    return single_io_model(nodes, inits, (2, 8), (2, 5))
 
 
 def unnamed_nodes() -> onnx.ModelProto:
@@ -103,4 +106,4 @@ def unnamed_nodes() -> onnx.ModelProto:
         helper.make_node("Sigmoid", ["a"], ["b"]),
         helper.make_node("Relu", ["b"], ["y"]),
     ]
-    return _model(nodes, {}, (2, 3), (2, 3))
+    return single_io_model(nodes, {}, (2, 3), (2, 3))

@@ -9,34 +9,21 @@ onnxruntime only (TVM's default build of ResNet-18 takes seconds per image).
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import tvm
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 from tvm import relax
 
+from profiler.data import model_inputs, open_data
 from profiler.importer import import_onnx
 from profiler.onnx_load import load_model, load_model_bytes
 from profiler.schedules import build, host_target
 
 from conftest import ZOO_SHAPES, zoo_model
+from onnx_builders import single_io_model
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def _model(nodes, inits, x_shape, y_shape) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        nodes,
-        "schedules",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y_shape))],
-        [numpy_helper.from_array(np.asarray(v, dtype=np.float32), k) for k, v in inits.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
 
 
 def _conv(c_in, c_out, size, hw=12, stride=1, pad=None, group=1, act="Relu", seed=0):
@@ -61,7 +48,7 @@ def _conv(c_in, c_out, size, hw=12, stride=1, pad=None, group=1, act="Relu", see
     else:
         last = helper.make_node(act, ["n"], ["y"])
     out = (hw + 2 * pad - size) // stride + 1
-    return _model([conv, bn, last], inits, (1, c_in, hw, hw), (1, c_out, out, out))
+    return single_io_model([conv, bn, last], inits, (1, c_in, hw, hw), (1, c_out, out, out))
 
 
 def _residual():
@@ -73,14 +60,14 @@ def _residual():
         helper.make_node("Add", ["c", "x"], ["s"]),
         helper.make_node("Relu", ["s"], ["y"]),
     ]
-    return _model(nodes, inits, (1, 16, 10, 10), (1, 16, 10, 10))
+    return single_io_model(nodes, inits, (1, 16, 10, 10), (1, 16, 10, 10))
 
 
 def _gemm(n_out=1000):
     rng = np.random.default_rng(6)
     inits = {"w": rng.normal(size=(n_out, 64)), "b": rng.normal(size=n_out)}
     node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)
-    return _model([node], inits, (3, 64), (3, n_out))
+    return single_io_model([node], inits, (3, 64), (3, n_out))
 
 
 def _matmul_3d():
@@ -97,7 +84,7 @@ def _matmul_3d():
         helper.make_node("Mul", ["a", "e1"], ["p"]),
         helper.make_node("Mul", ["p", "half"], ["y"]),
     ]
-    return _model(nodes, inits, (2, 5, 32), (2, 5, 48))
+    return single_io_model(nodes, inits, (2, 5, 32), (2, 5, 48))
 
 
 def _pooling(kind):
@@ -109,7 +96,7 @@ def _pooling(kind):
         "global": helper.make_node("GlobalAveragePool", ["x"], ["y"]),
     }[kind]
     out = {"max": 8, "avg": 8, "global": 1}[kind]
-    return _model([node], {}, (1, 32, 16, 16), (1, 32, out, out))
+    return single_io_model([node], {}, (1, 32, 16, 16), (1, 32, out, out))
 
 
 def _attention():
@@ -130,7 +117,7 @@ def _attention():
         helper.make_node("MatMul", ["a", "wo"], ["o"]),
         helper.make_node("Add", ["o", "x"], ["y"]),
     ]
-    return _model(nodes, inits, (1, seq, dim), (1, seq, dim))
+    return single_io_model(nodes, inits, (1, seq, dim), (1, seq, dim))
 
 
 CASES = {
@@ -189,12 +176,6 @@ def test_zoo_matches_onnxruntime(name):
     path = zoo_model(name)
     mod = import_onnx(load_model(path, ZOO_SHAPES.get(name) or None)).mod
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for inp, param in zip(session.get_inputs(), mod["main"].params, strict=False):
-        shape = [int(d) for d in param.ty.shape.values]
-        if "int" in inp.type:
-            feeds[inp.name] = rng.integers(0, 100, shape).astype(np.int64)
-        else:
-            feeds[inp.name] = rng.random(shape).astype(np.float32)
+    inputs = model_inputs(load_model(path, ZOO_SHAPES.get(name) or None))
+    feeds = next(open_data("random", inputs, samples=1).batches())
     _assert_close(_run(build(mod), list(feeds.values())), session.run(None, feeds)[0])
