@@ -5,7 +5,8 @@ Order of passes, and why:
 1. ``DecomposeOpsForInference`` and :data:`~profiler.schedules.prepare.prepare` (numpy constant
    folding, ``Clip`` back to operators): batch norms become per-channel constants.
 2. :class:`~profiler.passes.fold_scale_axis.FoldScaleAxis` folds them into conv / dense weights,
-   leaving one bias add per layer; ``prepare`` again makes those biases full rank.
+   leaving one bias add per layer; ``prepare`` again makes those biases full rank. (Skipped with
+   ``fold_scales=False``, the profiling build, where every tensor is observed and none folds.)
 3. ``ConvertLayout`` to NHWC/OHWI: channels innermost, so every conv, pooling and elementwise
    kernel vectorises over channels; ``prepare`` folds the transposed weights.
 4. ``LegalizeOps`` with our conv2d and matmul legalizations (weights repacked in numpy, at build
