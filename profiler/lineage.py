@@ -24,7 +24,7 @@ it became a constant nobody consumes and ``eliminated:dead`` when it was dead co
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import tvm
 from tvm import relax
@@ -38,7 +38,7 @@ from .bindings import (
     used_vars,
 )
 from .spans import ids_of, with_ids
-from .tagging import INPUT_PREFIX
+from .tagging import INPUT_PREFIX, WEIGHT_PREFIX
 
 Lineage = frozenset[str]
 
@@ -243,14 +243,7 @@ class StageReport:
     fates: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "bindings": self.bindings,
-            "tracked": self.tracked,
-            "ops": self.ops,
-            "lineage": self.lineage,
-            "fates": self.fates,
-        }
+        return asdict(self)
 
 
 def alive_ids(mod: tvm.IRModule) -> Lineage:
@@ -369,11 +362,8 @@ def verify_lineage(reports: list[StageReport], all_ids: set[str]) -> list[str]:
                 problems.append(f"{report.name}: binding {key} has no lineage")
         alive = {i for lin in report.lineage.values() for i in lin}
         for i in sorted(all_ids):
-            if i not in report.fates and i not in alive and not _is_live_leaf(i, report):
+            # Inputs and weights live outside bindings; stage_report fated the lost ones.
+            leaf = i.startswith((INPUT_PREFIX, WEIGHT_PREFIX))
+            if i not in report.fates and i not in alive and not leaf:
                 problems.append(f"{report.name}: profileID {i} vanished without a fate")
     return problems
-
-
-def _is_live_leaf(profile_id: str, report: StageReport) -> bool:
-    # Inputs and weights live outside bindings; stage_report already gave a fate to lost ones.
-    return profile_id.startswith(INPUT_PREFIX) or profile_id.startswith("weight:")

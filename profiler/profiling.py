@@ -19,14 +19,14 @@ from .build_cache import BuildCache, cache_key
 from .data import Preprocess, model_inputs, open_data
 from .errors import InputShapeError
 from .executor import Observed, ProfilingProgram, compile_program
-from .importer import ImportedModel, import_onnx
+from .importer import ImportedModel
 from .onnx_load import LoadedModel, load_model
 from .profile import build_document
 from .schedules import host_target
 from .spans import ids_of
-from .stages import run_stages
 from .statistics import DEFAULT_BINS, TensorStats
 from .tagging import LayerRecord
+from .tracking import track
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,7 @@ class ProfileOptions:
     seed: int = 0
 
     def to_json(self) -> dict:
-        return {
-            "bins": self.bins,
-            "batch_size": self.batch_size,
-            "samples": self.samples,
-            "seed": self.seed,
-        }
+        return asdict(self)
 
 
 Progress = Callable[[int, int], None]  # (samples done, samples total)
@@ -77,9 +72,9 @@ def _prepare(loaded: LoadedModel, bins: int | None, cache: BuildCache) -> _Prepa
             side["stages"],
             cached=True,
         )
-    imported = import_onnx(loaded)
-    ids = {layer.profile_id for layer in imported.layers}
-    stages = [s.report.to_json() for s in run_stages(imported.mod, ids, imported.fates)]
+    tracked = track(loaded)
+    imported = tracked.imported
+    stages = [s.report.to_json() for s in tracked.stages]
     executable, program = compile_program(imported.mod, imported.layers, names, bins, target)
     program.static.update(_weight_stats(imported, bins))
     sidecar = {

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .importer import ImportedModel, import_onnx
 from .lineage import verify_lineage
-from .onnx_load import load_model
+from .onnx_load import LoadedModel, load_model
 from .stages import Stage, run_stages
 
 
@@ -44,14 +44,17 @@ class TrackedModel:
         }
 
 
-def track_model(path: str | Path, input_shapes: dict | None = None) -> TrackedModel:
-    """The whole identity pipeline for one ONNX file."""
-    imported = import_onnx(load_model(path, input_shapes))
+def track(loaded: LoadedModel) -> TrackedModel:
+    """Import, tag and run every tracked stage; a lineage defect is our bug and raises."""
+    imported = import_onnx(loaded)
     ids = {layer.profile_id for layer in imported.layers}
-    stages = run_stages(imported.mod, ids, imported.fates)
-    tracked = TrackedModel(imported, stages)
+    tracked = TrackedModel(imported, run_stages(imported.mod, ids, imported.fates))
     problems = tracked.problems()
     if problems:
-        # A lineage defect is our bug, not the user's; say which model triggers it.
-        raise RuntimeError(f"lineage check failed for {path}: " + "; ".join(problems[:5]))
+        raise RuntimeError(f"lineage check failed for {loaded.name}: " + "; ".join(problems[:5]))
     return tracked
+
+
+def track_model(path: str | Path, input_shapes: dict | None = None) -> TrackedModel:
+    """The whole identity pipeline for one ONNX file."""
+    return track(load_model(path, input_shapes))
