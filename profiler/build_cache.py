@@ -22,7 +22,7 @@ import tvm
 from tvm import relax
 
 # Bump when the instrumented program or its sidecar changes meaning.
-PROGRAM_FORMAT = 3
+PROGRAM_FORMAT = 4
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ from PIL import Image
 from profiler.errors import CalibrationDataError
 
 if TYPE_CHECKING:
-    from profiler.onnx_load import LoadedModel
+    from profiler.onnx_load import ModelFacts
 
 RANDOM = "random"
 RANDOM_SAMPLES = 8
@@ -76,7 +76,7 @@ class InputSpec:
         return self.shape[1:]
 
 
-def model_inputs(model: LoadedModel) -> list[InputSpec]:
+def model_inputs(model: ModelFacts) -> list[InputSpec]:
     """The inputs of a loaded model, in the model's order."""
     return [
         InputSpec(name, shape, model.input_dtypes[name])

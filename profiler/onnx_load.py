@@ -53,16 +53,45 @@ _FOLD_IR_VERSION = 10
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    """A model ready for the Relax importer, with what loading learned about it."""
+class ModelFacts:
+    """What loading learned about a model: enough to read data for it and to describe it."""
 
     name: str
     sha256: str  # of the .onnx bytes as given
-    model: onnx.ModelProto
     input_shapes: dict[str, tuple[int, ...]]
     input_dtypes: dict[str, str]  # numpy dtype names
     opset: int  # of the default ONNX domain
     fates: dict[str, str]  # removed node name -> fate (see the module docstring)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "sha256": self.sha256,
+            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
+            "input_dtypes": self.input_dtypes,
+            "opset": self.opset,
+            "fates": self.fates,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ModelFacts:
+        shapes = {k: tuple(v) for k, v in doc["input_shapes"].items()}
+        return cls(
+            doc["name"], doc["sha256"], shapes, doc["input_dtypes"], doc["opset"], doc["fates"]
+        )
+
+
+@dataclass(frozen=True)
+class LoadedModel(ModelFacts):
+    """A model ready for the Relax importer."""
+
+    model: onnx.ModelProto
+
+    @property
+    def facts(self) -> ModelFacts:
+        return ModelFacts(
+            self.name, self.sha256, self.input_shapes, self.input_dtypes, self.opset, self.fates
+        )
 
 
 def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import jsonschema
 
 from .errors import RangeprofError
-from .onnx_load import LoadedModel
+from .onnx_load import ModelFacts
 from .statistics import TensorStats
 from .tagging import LayerRecord
 
@@ -34,7 +34,7 @@ def schema() -> dict:
 
 
 def build_document(
-    loaded: LoadedModel,
+    model: ModelFacts,
     layers: list[LayerRecord],
     fates: dict[str, str],
     stages: list[dict],
@@ -65,10 +65,10 @@ def build_document(
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {
-            "name": loaded.name,
-            "sha256": loaded.sha256,
-            "opset": loaded.opset,
-            "inputs": {k: list(v) for k, v in loaded.input_shapes.items()},
+            "name": model.name,
+            "sha256": model.sha256,
+            "opset": model.opset,
+            "inputs": {k: list(v) for k, v in model.input_shapes.items()},
         },
         "run": run,
         "tensors": tensors,

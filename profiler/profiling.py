@@ -6,9 +6,10 @@ time, and per-tensor statistics are fixed-size records merged batch by batch.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from .data import Preprocess, model_inputs, open_data
 from .errors import InputShapeError
 from .executor import Observed, ProfilingProgram, compile_program
 from .importer import ImportedModel
-from .onnx_load import LoadedModel, load_model
+from .onnx_load import LoadedModel, ModelFacts, load_model
 from .profile import build_document
 from .schedules import host_target
 from .spans import ids_of
@@ -47,69 +48,116 @@ Progress = Callable[[int, int], None]  # (samples done, samples total)
 class _Prepared:
     """A compiled program for one batch size, and the model facts its build produced."""
 
+    model: ModelFacts
     program: ProfilingProgram
     layers: list[LayerRecord]
-    fates: dict[str, str]
     stages: list[dict]  # stage reports as JSON
     cached: bool
 
 
-def _prepare(loaded: LoadedModel, bins: int | None, cache: BuildCache) -> _Prepared:
-    """Import, track and compile ``loaded`` — or take all of it from the build cache."""
-    target = host_target()
-    names = list(loaded.input_shapes)
-    key = cache_key("profile", loaded.sha256, loaded.input_shapes, target, bins=bins)
-    hit = cache.load(key)
-    if hit is not None:
-        vm, side = hit
+def _file_digest(path: Path) -> str | None:
+    """sha256 of the file, or None when it cannot be read (loading then says why)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+@dataclass
+class _Request:
+    key: str | None  # None: the file could not be read (loading says why)
+    model: ModelFacts
+    hit: tuple[relax.VirtualMachine, dict] | None
+    loaded: LoadedModel | None  # on a miss
+
+
+class _Builder:
+    """Prepared programs by batch size, each from the build cache when it has them.
+
+    The cache key is the model file's digest and the request (input shapes, batch size, bins),
+    so a hit needs neither ONNX loading nor simplification: the facts loading learned are in
+    the sidecar.
+    """
+
+    def __init__(self, path: Path, bins: int | None, cache: BuildCache):
+        self.path, self.bins, self.cache = path, bins, cache
+        self.digest = _file_digest(path)
+        self.target = host_target()
+
+    def request(self, input_shapes: dict | None, batch_size: int | None) -> _Request:
+        """The model facts for a request, from the cache or by loading the model: enough to
+        check calibration data before anything is compiled."""
+        key = None
+        if self.digest is not None:
+            shapes = dict(input_shapes or {})
+            key = cache_key(
+                "profile", self.digest, shapes, self.target, bins=self.bins, batch=batch_size
+            )
+            hit = self.cache.load(key)
+            if hit is not None:
+                return _Request(key, ModelFacts.from_json(hit[1]["model"]), hit, None)
+        loaded = _load_for_batch(self.path, input_shapes, batch_size)
+        return _Request(key, loaded.facts, None, loaded)
+
+    def prepare(self, request: _Request) -> _Prepared:
+        """The compiled program for a request (a cache hit compiles nothing)."""
+        if request.hit is not None:
+            return self._from_cache(*request.hit)
+        return self._build(request.loaded, request.key)
+
+    def _from_cache(self, vm: relax.VirtualMachine, side: dict) -> _Prepared:
+        model = ModelFacts.from_json(side["model"])
         observed = [Observed(**o) for o in side["observed"]]
         static = {k: TensorStats.from_json(v) for k, v in side["static"].items()}
+        program = ProfilingProgram(vm, list(model.input_shapes), observed, static, self.bins or 0)
         layers = [LayerRecord(**layer) for layer in side["layers"]]
-        return _Prepared(
-            ProfilingProgram(vm, names, observed, static),
-            layers,
-            side["fates"],
-            side["stages"],
-            cached=True,
+        return _Prepared(model, program, layers, side["stages"], cached=True)
+
+    def _build(self, loaded: LoadedModel, key: str | None) -> _Prepared:
+        tracked = track(loaded)
+        imported = tracked.imported
+        stages = [s.report.to_json() for s in tracked.stages]
+        names = list(loaded.input_shapes)
+        executable, program = compile_program(
+            imported.mod, imported.layers, names, self.bins, self.target
         )
-    tracked = track(loaded)
-    imported = tracked.imported
-    stages = [s.report.to_json() for s in tracked.stages]
-    executable, program = compile_program(imported.mod, imported.layers, names, bins, target)
-    program.static.update(_weight_stats(imported, bins))
-    sidecar = {
-        "observed": [asdict(o) for o in program.observed],
-        "static": {k: v.to_json() for k, v in program.static.items()},
-        "layers": [layer.to_json() for layer in imported.layers],
-        "fates": imported.fates,
-        "stages": stages,
-    }
-    cache.store(key, executable, sidecar)
-    return _Prepared(program, imported.layers, imported.fates, stages, cached=False)
+        program.static.update(_weight_stats(imported, self.bins))
+        model = replace(loaded.facts, fates=imported.fates)
+        if key is not None:
+            sidecar = {
+                "model": model.to_json(),
+                "observed": [asdict(o) for o in program.observed],
+                "static": {k: v.to_json() for k, v in program.static.items()},
+                "layers": [layer.to_json() for layer in imported.layers],
+                "stages": stages,
+            }
+            self.cache.store(key, executable, sidecar)
+        return _Prepared(model, program, imported.layers, stages, cached=False)
 
 
 class _Programs:
     """Programs by batch size (a smaller last batch needs its own build)."""
 
-    def __init__(self, path: Path, first: _Prepared, shapes: dict, bins, cache: BuildCache):
-        self.path, self.shapes, self.bins, self.cache = path, shapes, bins, cache
-        self.by_batch = {next(iter(shapes.values()))[0]: first.program}
+    def __init__(self, builder: _Builder, first: _Prepared):
+        self.builder = builder
+        self.shapes = dict(first.model.input_shapes)
+        self.by_batch = {_batch_of(first.model): first.program}
 
     def get(self, batch: int) -> ProfilingProgram:
         if batch not in self.by_batch:
             try:
-                loaded = load_model(self.path, _with_batch(self.shapes, batch))
+                request = self.builder.request(_with_batch(self.shapes, batch), None)
             except InputShapeError as err:
                 raise InputShapeError(
                     f"a last batch of {batch} samples does not fit the model ({err}); "
                     "use a sample count that the batch size divides"
                 ) from None
-            self.by_batch[batch] = _prepare(loaded, self.bins, self.cache).program
+            self.by_batch[batch] = self.builder.prepare(request).program
         return self.by_batch[batch]
 
 
-def _batch_of(loaded: LoadedModel) -> int:
-    return next(iter(loaded.input_shapes.values()))[0]
+def _batch_of(model: ModelFacts) -> int:
+    return next(iter(model.input_shapes.values()))[0]
 
 
 def _with_batch(shapes: dict, batch: int) -> dict:
@@ -189,20 +237,20 @@ def profile_model(
         timings[name] = round(now - since, 6)
         return now
 
-    loaded = _load_for_batch(path, input_shapes, options.batch_size)
-    batch_size = _batch_of(loaded)
+    bins = options.bins or None
+    builder = _Builder(path, bins, BuildCache() if cache is None else cache)
+    request = builder.request(input_shapes, options.batch_size)
+    batch_size = _batch_of(request.model)
     source = open_data(
         data,
-        model_inputs(loaded),
+        model_inputs(request.model),
         batch_size=batch_size,
         samples=options.samples,
         seed=options.seed,
         preprocess=preprocess,
     )
-    bins = options.bins or None
-    cache = BuildCache() if cache is None else cache
-    prepared = _prepare(loaded, bins, cache)
-    programs = _Programs(path, prepared, dict(loaded.input_shapes), bins, cache)
+    prepared = builder.prepare(request)
+    programs = _Programs(builder, prepared)
     if source.num_samples % batch_size:
         programs.get(source.num_samples % batch_size)  # fail before the run if it cannot build
     mark = lap("prepare_s", start)  # load, import, track stages, compile (or cache hits)
@@ -214,7 +262,7 @@ def profile_model(
     done = 0
     for batch in source.batches():
         size = next(iter(batch.values())).shape[0]
-        _, observed = programs.get(size).run(batch, bins)
+        _, observed = programs.get(size).run(batch)
         for name, array in batch.items():
             if np.issubdtype(array.dtype, np.floating):
                 observed[input_ids[name]] = TensorStats.observe(array, bins)
@@ -236,6 +284,7 @@ def profile_model(
         "timings": timings,
         "tvm_version": tvm.__version__,
     }
+    model = prepared.model
     return build_document(
-        loaded, prepared.layers, prepared.fates, prepared.stages, stats, static_ids, run
+        model, prepared.layers, model.fates, prepared.stages, stats, static_ids, run
     )

@@ -29,12 +29,12 @@ import numpy as np
 DEFAULT_BINS = 2048
 # Bin widths never go below 2**-160 (under float32's smallest subnormal), and bin indices stay
 # below 2**52 so that float64 computes them exactly.
-_MIN_EXPONENT = -160
-_INDEX_BITS = 52
+MIN_EXPONENT = -160
+INDEX_BITS = 52
 _SUM_SHIFT = 1074  # exact sums are integers in units of 2**-1074
 
 
-def _exact(value: float) -> int:
+def exact_units(value: float) -> int:
     """A finite float64 as an integer in units of 2**-1074 (exact)."""
     num, den = float(value).as_integer_ratio()
     return num * ((1 << _SUM_SHIFT) // den)
@@ -43,10 +43,10 @@ def _exact(value: float) -> int:
 def canonical_exponent(vmin: float, vmax: float, bins: int) -> int:
     """Smallest exponent ``e`` with ``[vmin, vmax]`` spanning at most ``bins`` bins of width
     ``2**e`` (and bin indices below 2**52). Monotone in the data range, hence merge-consistent."""
-    exponent = _MIN_EXPONENT
+    exponent = MIN_EXPONENT
     magnitude = max(abs(vmin), abs(vmax))
     if magnitude > 0:
-        exponent = max(exponent, math.frexp(magnitude)[1] - _INDEX_BITS)
+        exponent = max(exponent, math.frexp(magnitude)[1] - INDEX_BITS)
     span = vmax - vmin
     if span > 0:
         exponent = max(exponent, math.frexp(span / bins)[1] - 1)
@@ -106,13 +106,17 @@ class Histogram:
         length = math.floor(math.ldexp(vmax, -exponent)) - offset + 1
         return cls(bins, exponent, offset, np.bincount(index, minlength=length))
 
-    def rebinned(self, exponent: int, offset: int, length: int) -> np.ndarray:
-        """Counts at a coarser (or equal) exponent, as ``length`` bins from ``offset``."""
+    def add_into(self, total: np.ndarray, exponent: int, offset: int) -> None:
+        """Adds these counts to ``total``, bins of ``2**exponent`` (coarser or equal) from
+        ``offset``."""
         shift = exponent - self.exponent
-        index = (np.arange(len(self.counts), dtype=np.int64) + self.offset) >> shift
+        if shift == 0:  # the common case in a long run: the range has settled
+            start = self.offset - offset
+            total[start : start + len(self.counts)] += self.counts
+            return
+        index = ((np.arange(len(self.counts), dtype=np.int64) + self.offset) >> shift) - offset
         # Counts stay below 2**53, so float64 weights add them exactly.
-        total = np.bincount(index - offset, weights=self.counts, minlength=length)[:length]
-        return total.astype(np.int64)
+        total += np.bincount(index, weights=self.counts, minlength=len(total)).astype(np.int64)
 
     def merge(self, other: Histogram, vmin: float, vmax: float) -> Histogram:
         """The histogram of both sides' data, whose overall min and max are given."""
@@ -120,8 +124,9 @@ class Histogram:
             raise ValueError(f"cannot merge histograms of {self.bins} and {other.bins} bins")
         exponent = canonical_exponent(vmin, vmax, self.bins)
         offset = math.floor(math.ldexp(vmin, -exponent))
-        length = math.floor(math.ldexp(vmax, -exponent)) - offset + 1
-        total = self.rebinned(exponent, offset, length) + other.rebinned(exponent, offset, length)
+        total = np.zeros(math.floor(math.ldexp(vmax, -exponent)) - offset + 1, dtype=np.int64)
+        self.add_into(total, exponent, offset)
+        other.add_into(total, exponent, offset)
         return Histogram(self.bins, exponent, offset, total)
 
     def to_json(self) -> dict:
@@ -140,29 +145,52 @@ class Histogram:
         return cls(doc["bins"], doc["exponent"], doc["offset"], counts)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ChannelRange:
-    """Per-channel min and max of finite values along ``axis``."""
+    """Per-channel min and max of finite values along ``axis``; NaN marks a channel without
+    finite values (None in JSON and in :attr:`min` / :attr:`max`)."""
 
     axis: int
-    min: tuple[float, ...]
-    max: tuple[float, ...]
+    lo: np.ndarray  # float64, never mutated
+    hi: np.ndarray
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ChannelRange):
+            return NotImplemented
+        return (
+            self.axis == other.axis
+            and np.array_equal(self.lo, other.lo, equal_nan=True)
+            and np.array_equal(self.hi, other.hi, equal_nan=True)
+        )
+
+    __hash__ = None  # mutable-array fields: not hashable
+
+    @property
+    def min(self) -> tuple[float | None, ...]:
+        return _floats_or_none(self.lo)
+
+    @property
+    def max(self) -> tuple[float | None, ...]:
+        return _floats_or_none(self.hi)
 
     def merge(self, other: ChannelRange) -> ChannelRange:
-        if self.axis != other.axis or len(self.min) != len(other.min):
+        if self.axis != other.axis or len(self.lo) != len(other.lo):
             raise ValueError("cannot merge per-channel ranges of different layouts")
-        return ChannelRange(
-            self.axis,
-            tuple(_fmin(a, b) for a, b in zip(self.min, other.min, strict=True)),
-            tuple(_fmax(a, b) for a, b in zip(self.max, other.max, strict=True)),
-        )
+        # fmin / fmax skip NaN: a channel without finite values on one side takes the other's.
+        return ChannelRange(self.axis, np.fmin(self.lo, other.lo), np.fmax(self.hi, other.hi))
 
     def to_json(self) -> dict:
         return {"axis": self.axis, "min": list(self.min), "max": list(self.max)}
 
     @classmethod
     def from_json(cls, doc: dict) -> ChannelRange:
-        return cls(doc["axis"], tuple(doc["min"]), tuple(doc["max"]))
+        # float64 arrays read None as NaN
+        lo, hi = (np.array(doc[k], dtype=np.float64) for k in ("min", "max"))
+        return cls(doc["axis"], lo, hi)
+
+
+def _floats_or_none(values: np.ndarray) -> tuple[float | None, ...]:
+    return tuple(None if math.isnan(v) else v for v in values.tolist())
 
 
 def _fmin(a: float | None, b: float | None) -> float | None:
@@ -243,8 +271,8 @@ class TensorStats:
             inf_count=inf_count,
             min=vmin,
             max=vmax,
-            sum=_exact(total),
-            sum_sq=_exact(sum_sq),
+            sum=exact_units(total),
+            sum_sq=exact_units(sum_sq),
             histogram=histogram,
             per_channel=per_channel,
         )
@@ -307,13 +335,9 @@ def _channel_range(values: np.ndarray, axis: int, has_nonfinite: bool) -> Channe
     axes = tuple(i for i in range(values.ndim) if i != axis)
     if has_nonfinite:
         masked = np.where(np.isfinite(values), values, np.nan)
-        with warnings.catch_warnings():  # a channel without finite values is recorded as None
+        with warnings.catch_warnings():  # a channel without finite values is left NaN
             warnings.simplefilter("ignore", RuntimeWarning)
             lo, hi = np.nanmin(masked, axis=axes), np.nanmax(masked, axis=axes)
     else:
         lo, hi = values.min(axis=axes), values.max(axis=axes)
-    return ChannelRange(axis, _floats(lo), _floats(hi))
-
-
-def _floats(values: np.ndarray) -> tuple[float | None, ...]:
-    return tuple(None if math.isnan(v) else float(v) for v in values)
+    return ChannelRange(axis, lo.astype(np.float64), hi.astype(np.float64))

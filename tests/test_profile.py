@@ -15,7 +15,7 @@ from tvm import relax
 
 from profiler.data import model_inputs, open_data
 from profiler.errors import InputShapeError
-from profiler.executor import instrument
+from profiler.executor import compile_program
 from profiler.importer import import_onnx
 from profiler.onnx_load import load_model
 from profiler.profile import load_profile, merge_profiles, tensors_bytes, validate
@@ -84,18 +84,19 @@ def test_resnet18_random_fidelity_cli(tmp_path):
     _assert_fidelity(doc, reference_ranges(session, source.batches()), model)
 
 
+def _profiled_output(imported, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The model output of a plain build and of the profiling program, and its statistics."""
+    _, program = compile_program(imported.mod, imported.layers, ["x"])
+    plain = relax.VirtualMachine(build(imported.mod, fold_scales=False), tvm.cpu())
+    out, stats = program.run({"x": x})
+    return plain["main"](tvm.runtime.tensor(x)).numpy(), out.numpy(), stats
+
+
 def test_instrumented_outputs_are_bitwise_equal(tmp_path):
     imported = import_onnx(load_model(mb.save(mb.conv_bn_relu_scale(), tmp_path)))
-    instrumented, observed, _ = instrument(imported.mod, imported.layers)
-    assert len(observed) >= 4
     x = np.random.default_rng(3).normal(size=(1, 3, 6, 6)).astype("float32")
-
-    def run(mod):
-        vm = relax.VirtualMachine(build(mod, fold_scales=False), tvm.cpu())
-        return vm["main"](tvm.runtime.tensor(x))
-
-    plain = run(imported.mod).numpy()
-    profiled = run(instrumented)[0].numpy()
+    plain, profiled, stats = _profiled_output(imported, x)
+    assert len(stats) >= 4
     assert plain.tobytes() == profiled.tobytes()
 
 
@@ -193,10 +194,7 @@ def test_second_run_reuses_the_build(tmp_path):
 @pytest.mark.parametrize("name", ["ppocr_cls", "mobilenet_v2"])
 def test_instrumented_zoo_outputs_are_bitwise_equal(name):
     imported = import_onnx(load_model(zoo_model(name), ZOO_SHAPES[name]))
-    instrumented, _, _ = instrument(imported.mod, imported.layers)
     param = imported.mod["main"].params[0]
     x = np.random.default_rng(4).normal(size=[int(d) for d in param.ty.shape.values])
-    arg = tvm.runtime.tensor(x.astype("float32"))
-    plain = relax.VirtualMachine(build(imported.mod, fold_scales=False), tvm.cpu())
-    profiled = relax.VirtualMachine(build(instrumented, fold_scales=False), tvm.cpu())
-    assert plain["main"](arg).numpy().tobytes() == profiled["main"](arg)[0].numpy().tobytes()
+    plain, profiled, _ = _profiled_output(imported, x.astype("float32"))
+    assert plain.tobytes() == profiled.tobytes()

@@ -4,9 +4,10 @@ Legalization (after ``ConvertLayout`` to NHWC/OHWI, constant float32 weights onl
 else keeps TVM's own legalization and gets the generic schedule):
 
 * **Dense conv** (``groups == 1``, any kernel, stride, dilation and padding): weights repacked at
-  build time to ``[O/ob, KH, KW, I, ob]``, ``ob`` output channels (32, else 16 or a divisor of O)
-  contiguous, so the innermost loop reads one or two AVX-512 vectors of weights per input
-  channel. 1×1 convs use the same kernel: their tile covers a row of pixels.
+  build time to ``[O/ob, KH, KW, I, ob]``, ``ob`` output channels (two, one or half a vector
+  register of the target, :func:`register_tile`) contiguous, so the innermost loop reads whole
+  vectors of weights per input channel. 1×1 convs use the same kernel: their tile covers a row
+  of pixels.
 * **Depthwise conv** (``groups == I == O``): weights repacked to ``[KH, KW, C]``.
 * Padding is an explicit ``conv_pad`` stage.
 
@@ -17,8 +18,9 @@ Schedule (one per fused PrimFunc holding such a conv):
   weights stays in cache while a core sweeps the image with it.
 * The conv is computed at that tile into a ``local`` ``T × ob`` accumulator: reduction loops
   ``kh, kw, ci`` outside, ``T`` unrolled, ``ob`` vectorised, so LLVM keeps the
-  ``T × ob/16`` accumulators in zmm registers (``T`` bounds them at 24 of the 32) and each
-  weight vector load feeds ``T`` FMAs with a broadcast input.
+  ``T × ob/lanes`` accumulators in vector registers (``T`` bounds them at three quarters of the
+  register file, :mod:`.isa`) and each weight vector load feeds ``T`` FMAs with a broadcast
+  input.
 * Depthwise: same tiling with ``ob`` = a vector of channels; ``kh, kw`` are unrolled too.
 * ``conv_pad`` is computed once per call at root, ``parallel`` and vectorised over channels.
 """
@@ -32,25 +34,35 @@ import tvm
 from tvm import relax, s_tir, te, topi
 
 from .elementwise import VECTOR, extent, inline_epilogue, largest_divisor, schedule_spatial
+from .isa import VectorUnit, vector_unit
 
 CONV = "conv2d_nhwc_packed"
 DEPTHWISE = "depthwise_conv2d_nhwc"
 PAD = "conv_pad"
-_ACCUMULATORS = 24  # zmm registers the register tile may hold (of 32; the rest feed the FMAs)
 _ACCUMULATOR_BYTES = 16 * 1024  # rows of partial sums kept in L1 across input-channel chunks
 _WEIGHT_BYTES = 24 * 1024  # weights of one input-channel chunk, reused from L1 by every tile
 
 
-def _output_block(out_channels: int) -> int:
-    """Output channels per packed weight block: 32, 16 or 8 (a ymm register), else a divisor.
+def register_tile(width: int, out_channels: int, unit: VectorUnit) -> tuple[int, int]:
+    """``(ob, tile)``: output channels per packed weight block and pixels per register tile.
 
-    Vector widths that are not a power of two (24 channels in MobileNetV2) make LLVM emit
-    scalar code, 50× slower than three ymm FMAs.
+    ``tile × ob / lanes`` accumulators must fit the register file, ``tile`` must divide the
+    output width (a tail would put predicates in the unrolled tile) and ``ob`` the channels,
+    in whole vectors: widths that are not a power of two (24 channels in MobileNetV2) make LLVM
+    emit scalar code, 50× slower. Among the blocks of two, one or half a vector, the one whose
+    tile holds the most accumulators wins; ties go to the wider block (fewer input passes).
     """
-    for ob in (32, 16, 8):
-        if out_channels % ob == 0:
-            return ob
-    return largest_divisor(out_channels, 8)
+    best = (0, 0, 0)
+    for ob in (2 * unit.lanes, unit.lanes, unit.lanes // 2):
+        if out_channels % ob:
+            continue
+        vectors = math.ceil(ob / unit.lanes)
+        tile = largest_divisor(width, unit.accumulators // vectors)
+        best = max(best, (tile * vectors, ob, tile))
+    if best[1]:
+        return best[1], best[2]
+    ob = largest_divisor(out_channels, unit.lanes)
+    return ob, largest_divisor(width, unit.accumulators)
 
 
 def _pad(data: te.Tensor, padding) -> te.Tensor:
@@ -123,7 +135,7 @@ def legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call):
     args = dict(strides=attrs.strides, padding=attrs.padding, dilation=attrs.dilation)
     args = {k: [int(v) for v in vals] for k, vals in args.items()}
     if attrs.groups == 1:
-        ob = _output_block(out_ch)
+        ob, _ = register_tile(int(call.ty.shape[2]), out_ch, vector_unit())
         packed = w.reshape(out_ch // ob, ob, kh, kw, in_per_group).transpose(0, 2, 3, 4, 1)
         kernel = conv2d_nhwc_packed
     elif in_per_group == 1 and attrs.groups == out_ch:
@@ -161,7 +173,8 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     n, y, x, o, ry, rx, rc = sch.get_loops(conv)
     ob = int(sch.get(conv).reads[1].source.ty.shape[-1])
     width = extent(sch, x)
-    tile = largest_divisor(width, _ACCUMULATORS // math.ceil(ob / VECTOR))
+    unit = vector_unit()
+    tile = largest_divisor(width, unit.accumulators // math.ceil(ob / unit.lanes))
     rows = largest_divisor(extent(sch, y), max(1, _ACCUMULATOR_BYTES // (width * ob * 4)))
     taps = extent(sch, ry) * extent(sch, rx)
     chunk = largest_divisor(extent(sch, rc), max(1, _WEIGHT_BYTES // (taps * ob * 4)))
@@ -186,8 +199,9 @@ def _schedule_depthwise(sch: s_tir.Schedule, conv) -> None:
     """``n, c/ob, y, x/T | ky, kx, T, ob`` with the taps unrolled: a ``T × ob`` register tile."""
     n, y, x, o, ry, rx = sch.get_loops(conv)
     channels = extent(sch, o)
+    unit = vector_unit()
     ob = VECTOR if channels % VECTOR == 0 else largest_divisor(channels, 2 * VECTOR)
-    tile = largest_divisor(extent(sch, x), _ACCUMULATORS // math.ceil(ob / VECTOR))
+    tile = largest_divisor(extent(sch, x), unit.accumulators // math.ceil(ob / unit.lanes))
 
     out = inline_epilogue(sch, conv, keep=(PAD,))
     xo, xi = sch.split(x, [None, tile])

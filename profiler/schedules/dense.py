@@ -3,14 +3,15 @@
 Legalization: ``matmul(x, W)`` with a constant 2-D float32 ``W[K, N]`` (an ONNX Gemm / MatMul
 with weights, after ``prepare`` folded its transpose) becomes ``dense_packed`` with ``W``
 repacked at build time to ``[N/nb, K, nb]``: each reduction step reads ``nb`` contiguous output
-columns (``nb`` = 32, 16 or 8 dividing ``N``). Other matmuls (two activations, as in attention)
-keep TVM's legalization, whose block is named ``matmul``.
+columns (``nb`` = two, one or half a vector register of the target, dividing ``N``). Other
+matmuls (two activations, as in attention) keep TVM's legalization, whose block is named
+``matmul``.
 
 Schedule (both kinds, loops ``batch…, m, n, k``):
 
 * The epilogue (bias, GELU, residual add) is inlined into one output block computed per tile.
 * Register tile ``Tm × nb``: ``m`` split by ``Tm`` (unrolled), ``n`` by ``nb`` (vectorised), the
-  reduction ``k`` outside both, so ``Tm × nb/16`` zmm accumulators stay in registers while
+  reduction ``k`` outside both, so ``Tm × nb/lanes`` accumulators stay in registers while
   each ``k`` step broadcasts ``Tm`` values of ``x`` against one row of weights.
 * ``parallel`` over the fused ``batch…, m/Tm, n/nb`` tiles.
 """
@@ -23,18 +24,19 @@ import numpy as np
 import tvm
 from tvm import relax, s_tir, te
 
-from .elementwise import VECTOR, extent, inline_epilogue, largest_divisor
+from .elementwise import extent, inline_epilogue, largest_divisor
+from .isa import VectorUnit, vector_unit
 
 DENSE = "dense_packed"
 MATMUL = "matmul"  # the block name of TVM's own matmul legalization
-_ACCUMULATORS = 24
 
 
-def _column_block(n: int) -> int:
-    for nb in (32, 16, 8):
+def _column_block(n: int, unit: VectorUnit) -> int:
+    """Output columns per packed weight block: two vectors, one, half, else a divisor."""
+    for nb in (2 * unit.lanes, unit.lanes, unit.lanes // 2):
         if n % nb == 0:
             return nb
-    return largest_divisor(n, 32)
+    return largest_divisor(n, 2 * unit.lanes)
 
 
 def dense_packed(data, weight):
@@ -57,7 +59,7 @@ def legalize_matmul(bb: relax.BlockBuilder, call: relax.Call):
         return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
     w = weight.value.numpy()
     k_dim, n = w.shape
-    nb = _column_block(n)
+    nb = _column_block(n, vector_unit())
     packed = np.ascontiguousarray(w.reshape(k_dim, n // nb, nb).transpose(1, 0, 2))
     return bb.call_te(dense_packed, data, relax.const(packed, "float32"), primfunc_name_hint=DENSE)
 
@@ -77,14 +79,15 @@ def schedule_dense(sch: s_tir.Schedule) -> bool:
     if block is None:
         return False
     *batch, m, n, k = sch.get_loops(block)
-    nb = _column_block(extent(sch, n))
-    if nb % 8:
+    unit = vector_unit()
+    nb = _column_block(extent(sch, n), unit)
+    if nb % max(4, unit.lanes // 2):
         return False  # no vector width fits the columns: the generic schedule does as well
     if sch.get(block).name_hint == DENSE and batch:
         # The weights are shared by every row: all leading axes form one M (a [128, 1, K]
         # activation is 128 rows, not 128 batches of one).
         m, batch = sch.fuse(*batch, m), []
-    rows = largest_divisor(extent(sch, m), _ACCUMULATORS // math.ceil(nb / VECTOR))
+    rows = largest_divisor(extent(sch, m), unit.accumulators // math.ceil(nb / unit.lanes))
 
     out = inline_epilogue(sch, block)
     mo, mi = sch.split(m, [None, rows])

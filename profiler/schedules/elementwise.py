@@ -6,9 +6,9 @@ Rules (each PrimFunc that no operator rule claims gets :func:`schedule_generic`)
   blocks after a reduction, its producer) when TIR allows it: padding, broadcasts, transposes and
   epilogues then cost no memory pass of their own.
 * **Spatial blocks**: all loops fused, split into a ``parallel`` outer loop over both cores and a
-  16-wide inner loop (one AVX-512 vector of float32) that is vectorised when the extent divides
-  evenly, so no tail predicate lands in the vector loop. Tiny blocks stay serial: waking the
-  thread pool costs more than they do.
+  16-wide inner loop (one AVX-512 or two AVX2 vectors of float32) that is vectorised when the
+  extent divides evenly, so no tail predicate lands in the vector loop. Tiny blocks stay
+  serial: waking the thread pool costs more than they do.
 * **Reduction blocks** (mean, softmax sums and maxima, layer norm statistics): their spatial loops
   fused and ``parallel``, the reduction loop serial inside.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
-VECTOR = 16  # float32 lanes in an AVX-512 register
+VECTOR = 16  # lanes of elementwise loops: one AVX-512 register, two AVX2 ones
 # Below this many output elements a kernel runs on one core (a parallel launch costs ~2 µs).
 _PARALLEL_MIN = 4096
 

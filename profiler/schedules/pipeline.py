@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 import tvm
 from tvm import relax, s_tir, tirx
@@ -68,13 +69,17 @@ def apply_schedules(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 
 def relax_pipeline(
-    target: tvm.target.Target | None = None, fold_scales: bool = True
+    target: tvm.target.Target | None = None,
+    fold_scales: bool = True,
+    layout_passes: Sequence[tvm.transform.Pass] = (),
 ) -> tvm.transform.Pass:
     """The Relax → VM pipeline to hand to ``tvm.compile(..., relax_pipeline=...)``.
 
     ``fold_scales=False`` keeps batch norms and channel scales as fused epilogues instead of
     folding them into the weights: the arithmetic of a program whose every tensor is observed
-    (where nothing can fold), so that observing changes no output bit.
+    (where nothing can fold), so that observing changes no output bit. ``layout_passes`` run
+    right after the layout rewrite, on the program as the kernels will lay it out (the
+    profiler's statistics kernels go in there).
     """
     target = target or host_target()
     legalize = {"relax.nn.conv2d": legalize_conv2d, "relax.matmul": legalize_matmul}
@@ -85,6 +90,7 @@ def relax_pipeline(
         *([FoldScaleAxis(), prepare] if fold_scales else []),
         relax.transform.ConvertLayout(layouts),
         prepare,
+        *layout_passes,
         relax.transform.LegalizeOps(customize_legalize_map=legalize),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FuseOps(),
@@ -103,11 +109,15 @@ def relax_pipeline(
 
 
 def build(
-    mod: tvm.IRModule, target: tvm.target.Target | None = None, fold_scales: bool = True
+    mod: tvm.IRModule,
+    target: tvm.target.Target | None = None,
+    fold_scales: bool = True,
+    layout_passes: Sequence[tvm.transform.Pass] = (),
 ) -> tvm.runtime.Executable:
     """Compiles a Relax module (NCHW, as imported) into a fast CPU executable.
 
     ``profiler`` sets ``TVM_NUM_THREADS`` on import so that TVM's pool uses every core.
     """
     target = target or host_target()
-    return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target, fold_scales))
+    pipeline = relax_pipeline(target, fold_scales, layout_passes)
+    return tvm.compile(mod, target=target, relax_pipeline=pipeline)

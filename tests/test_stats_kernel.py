@@ -1,0 +1,99 @@
+"""The compiled statistics kernels agree with the numpy statistics, bit for bit where it matters."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import tvm
+
+from profiler.schedules import host_target
+from profiler.statistics import TensorStats
+from profiler.stats_kernel import decode, output_length, stats_kernel
+
+
+def _kernel_stats(x: np.ndarray, axis: int | None, bins: int, recorded_axis: int | None):
+    kernel = stats_kernel(x.ndim, str(x.dtype), axis, bins, os.cpu_count() or 1)
+    lib = tvm.compile(
+        tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), host_target()
+    )
+    out = tvm.runtime.tensor(np.zeros(output_length(x.shape, axis, bins)))
+    lib["main"](tvm.runtime.tensor(x), out)
+    return decode(out.numpy(), bins, recorded_axis)
+
+
+def _assert_same(got: TensorStats, want: TensorStats) -> None:
+    assert (got.count, got.nan_count, got.inf_count) == (want.count, want.nan_count, want.inf_count)
+    assert (got.min, got.max) == (want.min, want.max)
+    assert got.histogram == want.histogram
+    assert got.per_channel == want.per_channel
+    if want.mean is None:
+        assert got.mean is None
+    else:  # sums add in the kernel's own order: equal up to float64 rounding
+        assert math.isclose(got.mean, want.mean, rel_tol=1e-9, abs_tol=1e-30)
+        assert math.isclose(got.std, want.std, rel_tol=1e-6, abs_tol=1e-30)
+
+
+def _normal(shape, seed, scale=1.0, shift=0.0):
+    return (np.random.default_rng(seed).normal(size=shape) * scale + shift).astype("float32")
+
+
+def _relu(shape, seed=0):
+    return np.maximum(np.random.default_rng(seed).normal(size=shape), 0).astype("float32")
+
+
+CASES = {
+    # name: (array, kernel channel axis) — the big ones take the parallel paths
+    "nhwc-64": (_relu((1, 56, 56, 64)), 3),
+    "nhwc-24": (np.random.default_rng(1).normal(size=(1, 28, 28, 24)).astype("float32"), 3),
+    "dense-1000": (np.random.default_rng(2).normal(size=(1, 1000)).astype("float32"), 1),
+    "tail-7": (np.arange(7, dtype="float32") - 3, None),
+    "zeros": (np.zeros((3, 5), "float32"), None),
+    "constant": (np.full((33,), 3.0, "float32"), None),
+    "subnormal": ((np.random.default_rng(3).normal(size=(40000,)) * 1e-40).astype("float32"), None),
+    "huge": (
+        (np.random.default_rng(4).normal(size=(100000,)) * 1e30 + 5e30).astype("float32"),
+        None,
+    ),
+    "channels-inner": (np.random.default_rng(5).normal(size=(2, 8, 5, 5)).astype("float32"), 1),
+    "float64": (np.random.default_rng(6).normal(size=(3, 128)), 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("bins", [2048, 0])
+def test_kernel_matches_numpy_statistics(name, bins):
+    x, axis = CASES[name]
+    _assert_same(_kernel_stats(x, axis, bins, axis), TensorStats.observe(x, bins or None, axis))
+
+
+def test_nan_and_inf_are_counted_and_skipped():
+    x = np.random.default_rng(7).normal(size=(2, 24, 5, 5)).astype("float32")
+    x[0, 3, 1, 1] = np.nan
+    x[1, 2, 0, 0] = np.inf
+    x[0, 0, 0, 0] = -np.inf
+    x[:, 5] = np.nan  # a channel without any finite value
+    got = _kernel_stats(x, 1, 2048, 1)
+    _assert_same(got, TensorStats.observe(x, 2048, 1))
+    assert (got.nan_count, got.inf_count) == (1 + 2 * 25, 2)
+    assert got.per_channel.min[5] is None and got.per_channel.max[5] is None
+
+
+def test_all_nan_tensor_has_no_range():
+    got = _kernel_stats(np.full((20,), np.nan, "float32"), None, 2048, None)
+    assert (got.count, got.nan_count, got.min, got.histogram) == (20, 20, None, None)
+
+
+def test_kernel_layout_channels_are_recorded_under_the_initial_axis():
+    """NHWC in the kernel, NCHW in the initial IR: same per-channel ranges, axis 1 recorded."""
+    nchw = np.random.default_rng(8).normal(size=(1, 32, 14, 14)).astype("float32")
+    nhwc = np.ascontiguousarray(nchw.transpose(0, 2, 3, 1))
+    _assert_same(_kernel_stats(nhwc, 3, 2048, 1), TensorStats.observe(nchw, 2048, 1))
+
+
+def test_sums_are_deterministic_for_a_shape():
+    x = np.random.default_rng(9).normal(size=(1, 300000)).astype("float32")
+    first, second = (_kernel_stats(x, None, 0, None) for _ in range(2))
+    assert (first.sum, first.sum_sq) == (second.sum, second.sum_sq)
