@@ -1,0 +1,100 @@
+"""The database connection: which URL, an engine tuned per backend, and short sessions.
+
+The URL comes from ``--db``, else ``RANGEPROF_DB``, else an SQLite file in the user's data
+folder. SQLite runs in WAL mode (readers never wait for the writer) with foreign keys on, and
+every transaction starts with ``BEGIN IMMEDIATE``: a transaction that reads and then writes
+would otherwise fail with "database is locked" instead of waiting when another connection
+wrote in between. PostgreSQL URLs use psycopg 3.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import platformdirs
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import Session, sessionmaker
+
+from profiler.errors import RangeprofError
+
+ENV_URL = "RANGEPROF_DB"
+_SQLITE_BUSY_TIMEOUT_S = 30
+
+
+class DatabaseUrlError(RangeprofError):
+    """The database URL is malformed or names a backend we do not support."""
+
+
+def data_dir() -> Path:
+    """Where the embedded defaults live (database, blobs)."""
+    return Path(platformdirs.user_data_dir("rangeprof"))
+
+
+def database_url(given: str | None = None) -> str:
+    """The URL to use: ``given``, else ``$RANGEPROF_DB``, else the default SQLite file."""
+    return given or os.environ.get(ENV_URL) or f"sqlite:///{data_dir() / 'rangeprof.db'}"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of an SQLite URL; ``None`` for other backends."""
+    parsed = make_url(url)
+    return Path(parsed.database) if parsed.get_backend_name() == "sqlite" else None
+
+
+def make_engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise DatabaseUrlError(f"malformed database URL {url!r}") from None
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        return create_engine(parsed.set(drivername="postgresql+psycopg"), pool_pre_ping=True)
+    if backend != "sqlite":
+        raise DatabaseUrlError(
+            f"unsupported database {backend!r} in {parsed.render_as_string()!r}; "
+            "use sqlite:///FILE or postgresql://USER@HOST/DB"
+        )
+    if not parsed.database or parsed.database == ":memory:":
+        raise DatabaseUrlError(
+            f"{url!r}: an in-memory database cannot be shared by the server and its worker; "
+            "give a file, e.g. sqlite:///rangeprof.db"
+        )
+    Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves, below
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+class Database:
+    """An engine and its sessions; one per process and URL."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.engine = make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        with self._sessions.begin() as session:
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()

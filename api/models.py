@@ -1,0 +1,219 @@
+"""The service's tables (SQLAlchemy 2 ORM); ``migrations/`` creates exactly these.
+
+* ``token``: API tokens, stored as the sha256 of the token (the token itself is shown once).
+* ``model``: an uploaded ONNX file (its bytes live in the blob store under ``sha256``), the
+  input shapes it was loaded with, and the stage reports (lineage) of ``rangeprof inspect``;
+  ``layer`` holds its layers (profileIDs) in order.
+* ``run``: one profiling run of a model: status, options, calibration data, progress, timings,
+  error text, and the profile document minus its ``tensors``.
+* ``tensor_stat``: one row per profileID and run, the document's tensor entry.
+* ``qparams``: quantization-parameter sets derived from a run.
+* ``build``: compiled INT8 artifacts of a model (written by the build job).
+
+Timestamps are timezone-aware UTC on every backend.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+RUN_STATUSES = ("queued", "running", "done", "failed")
+BUILD_STATUSES = RUN_STATUSES
+DATA_KINDS = ("npz", "random")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timestamp with time zone that comes back aware on SQLite too (stored as UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        return None if value is None else value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None or value.tzinfo is not None:
+            return value
+        return value.replace(tzinfo=UTC)
+
+
+def _in(column: str, choices: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(c) for c in choices)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+    type_annotation_map: ClassVar = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime}
+
+
+class Token(Base):
+    __tablename__ = "token"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Model(Base):
+    __tablename__ = "model"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("token.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(255))  # the file name without .onnx
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    opset: Mapped[int]
+    input_shapes: Mapped[dict[str, Any]]  # as given at upload: name -> dims
+    inputs: Mapped[list[Any]]  # as loaded: [{name, shape, dtype}]
+    stages: Mapped[list[Any]]  # stage reports with lineage and fates (``inspect --json``)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    layers: Mapped[list[Layer]] = relationship(
+        order_by="Layer.position", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Layer(Base):
+    __tablename__ = "layer"
+    __table_args__ = (
+        UniqueConstraint("model_id", "position"),
+        UniqueConstraint("model_id", "profile_id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("model.id", ondelete="CASCADE"))
+    position: Mapped[int]
+    profile_id: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(16))
+    op: Mapped[str] = mapped_column(String(100))
+    source_node: Mapped[str | None] = mapped_column(Text)
+    source_op: Mapped[str | None] = mapped_column(String(100))
+    source_tensor: Mapped[str | None] = mapped_column(Text)
+    shape: Mapped[list[Any] | None]
+    dtype: Mapped[str] = mapped_column(String(32))
+
+
+class Run(Base):
+    __tablename__ = "run"
+    __table_args__ = (
+        CheckConstraint(_in("status", RUN_STATUSES), name="status"),
+        CheckConstraint(_in("data_kind", DATA_KINDS), name="data_kind"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("model.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
+    # Calibration data: an uploaded .npz (a blob) or generated random samples.
+    data_kind: Mapped[str] = mapped_column(String(16))
+    data_name: Mapped[str | None] = mapped_column(String(255))
+    data_key: Mapped[str | None] = mapped_column(Text)
+    data_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    # Options of ``rangeprof profile``.
+    bins: Mapped[int]
+    batch_size: Mapped[int | None]
+    samples: Mapped[int | None]
+    seed: Mapped[int]
+    # Progress, written by the worker.
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    samples_done: Mapped[int] = mapped_column(default=0)
+    samples_total: Mapped[int | None]
+    worker: Mapped[str | None] = mapped_column(String(255))
+    heartbeat_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    timings: Mapped[dict[str, Any] | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    # The profile document without its tensors (they are rows of ``tensor_stat``).
+    document: Mapped[dict[str, Any] | None]
+
+    model: Mapped[Model] = relationship()
+
+
+class TensorStat(Base):
+    """A tensor entry of a profile. ``stats`` holds the statistics exactly as the document has
+    them (min, max, mean, std, counts, exact moments, histogram, per-channel ranges); ``min`` and
+    ``max`` are copies for SQL queries (SQLite's REAL would not keep the sign of -0.0)."""
+
+    __tablename__ = "tensor_stat"
+    __table_args__ = (
+        UniqueConstraint("run_id", "position"),
+        UniqueConstraint("run_id", "profile_id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
+    position: Mapped[int]
+    profile_id: Mapped[str] = mapped_column(Text)
+    source_node: Mapped[str | None] = mapped_column(Text)
+    source_op: Mapped[str | None] = mapped_column(String(100))
+    source_tensor: Mapped[str | None] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(16))
+    op: Mapped[str] = mapped_column(String(100))
+    shape: Mapped[list[Any] | None]
+    dtype: Mapped[str] = mapped_column(String(32))
+    static: Mapped[bool]
+    min: Mapped[float | None] = mapped_column(Float)
+    max: Mapped[float | None] = mapped_column(Float)
+    stats: Mapped[dict[str, Any]]
+
+
+class QParamsSet(Base):
+    __tablename__ = "qparams"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    options: Mapped[dict[str, Any]]  # CalibrationOptions.to_json()
+    document: Mapped[dict[str, Any]]  # the QPARAMS document (profiler/schemas/qparams)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Build(Base):
+    """An INT8 build of a model from a run's qparams: the artifact file (in the blob store,
+    by sha256) and how the build went."""
+
+    __tablename__ = "build"
+    __table_args__ = (CheckConstraint(_in("status", BUILD_STATUSES), name="status"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("model.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("run.id", ondelete="SET NULL"))
+    qparams_id: Mapped[int | None] = mapped_column(ForeignKey("qparams.id", ondelete="SET NULL"))
+    target: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    artifact_path: Mapped[str | None] = mapped_column(Text)
+    artifact_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    timings: Mapped[dict[str, Any] | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]

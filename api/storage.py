@@ -1,0 +1,76 @@
+"""Content-addressed file storage for uploads: ``<root>/<sha256[:2]>/<sha256><suffix>``.
+
+Files are written to ``<root>/tmp`` first and renamed into place, so a blob path holds either
+nothing or the complete file. The same bytes are stored once however often they are uploaded;
+:mod:`api.catalog` deletes a blob when no row refers to it any more. The root is ``--storage``,
+else ``RANGEPROF_STORAGE``, else a folder next to an SQLite database file (``<file>-blobs``) or
+in the user's data folder for other databases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .db import data_dir, sqlite_path
+
+ENV_STORAGE = "RANGEPROF_STORAGE"
+
+
+def storage_root(url: str, given: str | Path | None = None) -> Path:
+    if given or os.environ.get(ENV_STORAGE):
+        return Path(given or os.environ[ENV_STORAGE])
+    database = sqlite_path(url)
+    if database is not None:
+        return database.with_name(database.name + "-blobs")
+    return data_dir() / "blobs"
+
+
+class BlobStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._tmp = self.root / "tmp"
+        self._tmp.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str, suffix: str) -> Path:
+        return self.root / sha256[:2] / f"{sha256}{suffix}"
+
+    @contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A private folder on the store's file system, removed with everything in it."""
+        folder = Path(tempfile.mkdtemp(dir=self._tmp))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def put_bytes(self, data: bytes, suffix: str) -> tuple[str, bool]:
+        """Store ``data``; return its sha256 and whether the blob is new."""
+        sha256 = hashlib.sha256(data).hexdigest()
+        if self.path(sha256, suffix).exists():
+            return sha256, False
+        with self.scratch() as folder:
+            staged = folder / "blob"
+            staged.write_bytes(data)
+            return sha256, self.adopt(staged, sha256, suffix)
+
+    def adopt(self, staged: Path, sha256: str, suffix: str) -> bool:
+        """Move a complete file whose sha256 is known into the store; tell whether it is new."""
+        target = self.path(sha256, suffix)
+        if target.exists():
+            return False
+        target.parent.mkdir(exist_ok=True)
+        os.replace(staged, target)
+        return True
+
+    def remove(self, sha256: str, suffix: str) -> None:
+        path = self.path(sha256, suffix)
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # other blobs share the folder
+            path.parent.rmdir()
