@@ -223,3 +223,117 @@ def export(
         raise _fail(err) from None
     out.write_text(text)
     _err.print(f"{fmt} export -> {out}", highlight=False)
+
+
+# The service (the `api` package); imported inside the commands so the others stay fast.
+
+Db = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        envvar="RANGEPROF_DB",
+        help="Database URL (sqlite:///FILE or postgresql://USER@HOST/DB); default: SQLite in "
+        "the user's data folder.",
+    ),
+]
+Storage = Annotated[
+    str | None,
+    typer.Option(
+        envvar="RANGEPROF_STORAGE",
+        help="Folder for uploaded files; default: FILE-blobs next to an SQLite FILE.",
+    ),
+]
+Jobs = Annotated[int, typer.Option(min=0, help="Runs executed at a time.")]
+
+db_app = typer.Typer(help="The service's database.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+
+@app.command()
+def serve(
+    db: Db = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    storage: Storage = None,
+    jobs: Annotated[
+        int, typer.Option(min=0, help="Runs executed at a time in this process (0: none).")
+    ] = 1,
+    max_model_mb: Annotated[float, typer.Option(help="Largest model upload.")] = 1024,
+    max_data_mb: Annotated[float, typer.Option(help="Largest .npz upload.")] = 1024,
+) -> None:
+    """Run the REST API, with a worker for its runs unless --jobs 0."""
+    import logging
+    import socket
+
+    import uvicorn
+
+    from api.app import create_app
+    from api.limits import MB, Limits
+
+    limits = Limits(int(max_model_mb * MB), int(max_data_mb * MB))
+    try:
+        service = create_app(
+            db,
+            storage=storage,
+            jobs=jobs,
+            worker_name=f"serve@{socket.gethostname()}:{port}",
+            limits=limits,
+        )
+    except RangeprofError as err:
+        raise _fail(err) from None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s %(message)s")
+    uvicorn.run(service, host=host, port=port)
+
+
+@app.command()
+def worker(
+    db: Db = None,
+    storage: Storage = None,
+    jobs: Jobs = 1,
+    name: Annotated[
+        str | None, typer.Option(help="Worker name in the run rows (default HOST:PID).")
+    ] = None,
+) -> None:
+    """Execute queued runs (beside a server started with --jobs 0), until SIGINT or SIGTERM."""
+    import logging
+
+    from api.jobs import run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        run_worker(db, storage, jobs=jobs, name=name)
+    except RangeprofError as err:
+        raise _fail(err) from None
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: Db = None) -> None:
+    """Create the database, or migrate it to the current schema."""
+    from api.db import database_url
+    from api.migrate import upgrade
+
+    url = database_url(db)
+    try:
+        revision = upgrade(url)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _err.print(f"database at revision {revision}", highlight=False)
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Argument(help="Who or what the token is for.")],
+    db: Db = None,
+) -> None:
+    """Create an API token and print it; it is shown only this once (only its hash is kept)."""
+    from api.auth import create_token
+    from api.migrate import open_database
+
+    try:
+        database = open_database(db)
+        typer.echo(create_token(database, name))
+    except RangeprofError as err:
+        raise _fail(err) from None
+    database.dispose()

@@ -1,0 +1,86 @@
+"""The FastAPI application: ``create_app(db_url, ...)`` wires the database, the blob store, the
+size limits and (unless ``jobs=0``) the in-process worker, and turns every user error into a 4xx
+response with a one-line JSON ``detail``. OpenAPI is served at ``/openapi.json``, docs at
+``/docs``.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from importlib import metadata
+from pathlib import Path
+
+from fastapi import FastAPI, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from profiler.errors import RangeprofError
+
+from . import routes_models, routes_runs
+from .context import Service
+from .jobs import Worker
+from .limits import DEFAULT_LIMITS, BodyLimit, Limits
+from .migrate import open_database
+from .schemas import ErrorOut, HealthOut
+from .storage import BlobStore, storage_root
+
+_ERRORS = {
+    401: {"model": ErrorOut, "description": "No valid bearer token."},
+    404: {"model": ErrorOut, "description": "No such object among the token's own."},
+    422: {"model": ErrorOut, "description": "A parameter is missing or malformed."},
+}
+
+
+def create_app(
+    db_url: str | None = None,
+    *,
+    storage: str | Path | None = None,
+    jobs: int = 1,
+    worker_name: str | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> FastAPI:
+    """The service on database ``db_url`` (default: ``RANGEPROF_DB``, else SQLite in the user's
+    data folder), which must be migrated to head; ``jobs`` runs at a time in this process."""
+    db = open_database(db_url)
+    store = BlobStore(storage_root(db.url, storage))
+    worker = Worker(db, store, name=worker_name, jobs=jobs) if jobs else None
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        if worker is not None:
+            worker.start()
+        yield
+        if worker is not None:
+            await run_in_threadpool(worker.stop)
+        db.dispose()
+
+    app = FastAPI(
+        title="rangeprof",
+        version=metadata.version("rangeprof"),
+        summary="Tensor-range profiling by profileID: models, runs, profiles, qparams, drift.",
+        lifespan=lifespan,
+    )
+    app.state.service = Service(db, store, worker, limits)
+    app.add_middleware(BodyLimit, limits=limits)
+
+    @app.exception_handler(RangeprofError)
+    async def _user_error(_request: Request, err: RangeprofError) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status.HTTP_400_BAD_REQUEST)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
+        problems = []
+        for error in err.errors():
+            where = " ".join(str(part) for part in error["loc"])
+            problems.append(f"{where}: {error['msg']}")
+        return JSONResponse({"detail": "; ".join(problems)}, status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+    @app.get("/api/health", tags=["service"])
+    def health() -> HealthOut:
+        """Liveness, without a token (for container health checks)."""
+        return HealthOut()
+
+    app.include_router(routes_models.router, responses=_ERRORS)
+    app.include_router(routes_runs.router, responses=_ERRORS)
+    return app

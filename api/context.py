@@ -1,0 +1,60 @@
+"""What the routes share: the app's database, blob store, worker and limits, and lookups that
+only find what the calling token owns (anything else is "not found", never "forbidden", so a
+token cannot learn which ids exist)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from .db import Database
+from .jobs import Worker
+from .limits import Limits
+from .models import Model, Run
+from .storage import BlobStore
+
+
+@dataclass(frozen=True)
+class Service:
+    db: Database
+    store: BlobStore
+    worker: Worker | None  # None: a separate `rangeprof worker` executes the runs
+    limits: Limits
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(_service)]
+
+
+def not_found(what: str, id_: int) -> HTTPException:
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"{what} {id_} not found")
+
+
+def own_model(session: Session, owner: int, model_id: int) -> Model:
+    model = session.get(Model, model_id)
+    if model is None or model.owner_id != owner:
+        raise not_found("model", model_id)
+    return model
+
+
+def own_run(session: Session, owner: int, run_id: int) -> Run:
+    run = session.scalar(select(Run).join(Model).where(Run.id == run_id, Model.owner_id == owner))
+    if run is None:
+        raise not_found("run", run_id)
+    return run
+
+
+def done_run(session: Session, owner: int, run_id: int) -> Run:
+    """An owned run whose profile exists; 409 while it is queued or running, or if it failed."""
+    run = own_run(session, owner, run_id)
+    if run.status != "done":
+        why = f": {run.error}" if run.error else "; its profile exists once it is done"
+        raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id} is {run.status}{why}")
+    return run

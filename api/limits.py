@@ -1,0 +1,94 @@
+"""Upload size limits: a request body over its route's limit is refused with 413 as soon as
+its Content-Length, or the bytes received so far, show it; the uploaded file is then checked
+against the exact limit while it is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from fastapi import HTTPException, status
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MB = 1 << 20
+_MULTIPART_SLACK = 64 * 1024  # boundaries, headers and small form fields around the file
+_OTHER_BODIES = 1 * MB  # JSON bodies (calibration options)
+_CHUNK = 1 * MB
+_RUNS_PATH = re.compile(r"^/api/models/[^/]+/runs$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_bytes: int = 1024 * MB
+    max_data_bytes: int = 1024 * MB
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _too_large(what: str, limit: int) -> HTTPException:
+    return HTTPException(
+        status.HTTP_413_CONTENT_TOO_LARGE,
+        f"{what} is larger than the limit of {limit} bytes ({limit / MB:g} MB)",
+    )
+
+
+class BodyLimit:
+    """ASGI middleware applying :class:`Limits` to request bodies."""
+
+    def __init__(self, app: ASGIApp, limits: Limits):
+        self.app, self.limits = app, limits
+
+    def _limit(self, path: str) -> tuple[str, int]:
+        if path == "/api/models":
+            return "the model upload", self.limits.max_model_bytes + _MULTIPART_SLACK
+        if _RUNS_PATH.match(path):
+            return "the data upload", self.limits.max_data_bytes + _MULTIPART_SLACK
+        return "the request body", _OTHER_BODIES
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        what, limit = self._limit(scope["path"])
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            error = _too_large(what, limit)
+            await JSONResponse({"detail": error.detail}, error.status_code)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(what, limit)  # FastAPI passes it on from body parsing
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def read_file(upload: BinaryIO, what: str, limit: int) -> bytes:
+    data = upload.read(limit + 1)
+    if len(data) > limit:
+        raise _too_large(what, limit)
+    return data
+
+
+def copy_file(upload: BinaryIO, target: Path, what: str, limit: int) -> str:
+    """Copy an upload to ``target`` within ``limit`` bytes; return its sha256."""
+    digest, size = hashlib.sha256(), 0
+    with target.open("wb") as out:
+        while chunk := upload.read(_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(what, limit)
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,58 @@
+"""``/api/models``: upload, list, show and delete ONNX models."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Response, status
+from sqlalchemy import select
+
+from . import catalog
+from .auth import Owner
+from .context import ServiceDep, not_found, own_model
+from .limits import read_file
+from .models import Model
+from .schemas import ErrorOut, ModelOut, ModelSummary, ModelUpload
+from .uploads import analyse_model
+
+router = APIRouter(prefix="/api/models", tags=["models"])
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={400: {"model": ErrorOut}, 413: {"model": ErrorOut}},
+)
+def upload_model(
+    service: ServiceDep,
+    owner: Owner,
+    form: Annotated[ModelUpload, Form(media_type="multipart/form-data")],
+) -> ModelOut:
+    """Upload an ONNX model; it is loaded and tracked (as ``rangeprof inspect``) before
+    anything is stored, and the response lists its layers with their profileIDs."""
+    data = read_file(form.file.file, "the model file", service.limits.max_model_bytes)
+    analysis = analyse_model(data, form.file.filename, form.input_shapes)
+    model_id = catalog.add_model(service.db, service.store, owner, analysis)
+    with service.db.session() as session:
+        return ModelOut.model_validate(own_model(session, owner, model_id))
+
+
+@router.get("")
+def list_models(service: ServiceDep, owner: Owner) -> list[ModelSummary]:
+    with service.db.session() as session:
+        models = session.scalars(select(Model).where(Model.owner_id == owner).order_by(Model.id))
+        return [ModelSummary.model_validate(m) for m in models]
+
+
+@router.get("/{model_id}")
+def get_model(service: ServiceDep, owner: Owner, model_id: int) -> ModelOut:
+    with service.db.session() as session:
+        return ModelOut.model_validate(own_model(session, owner, model_id))
+
+
+@router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_model(service: ServiceDep, owner: Owner, model_id: int) -> Response:
+    """Delete the model, its runs and everything derived from them, and its stored files."""
+    if not catalog.delete_model(service.db, service.store, owner, model_id):
+        raise not_found("model", model_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

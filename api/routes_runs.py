@@ -1,0 +1,207 @@
+"""Profiling runs and what is derived from them: the profile, exports, qparams and drift."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, HTTPException, Query, status
+from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy import select
+
+from profiler.calibration import CalibrationOptions, calibrate
+from profiler.data import RANDOM
+from profiler.exports import export
+
+from . import catalog
+from .auth import Owner
+from .context import ServiceDep, done_run, own_model, own_run
+from .documents import load_profile, tensor_rows
+from .drift import tensor_drift
+from .limits import copy_file
+from .models import QParamsSet, Run
+from .schemas import (
+    CalibrationRequest,
+    DriftOut,
+    ErrorOut,
+    ExportQuery,
+    ProfileDocument,
+    QParamsOut,
+    RunData,
+    RunOptions,
+    RunOut,
+    RunRequest,
+)
+from .uploads import UploadError, check_data, data_spec, file_stem
+
+router = APIRouter(tags=["runs"])
+_CONFLICT = {409: {"model": ErrorOut, "description": "The run is not done."}}
+_JSON_FORMATS = ("aimet", "ort-json")
+
+
+def run_out(run: Run) -> RunOut:
+    return RunOut(
+        id=run.id,
+        model_id=run.model_id,
+        status=run.status,
+        progress=run.progress,
+        samples_done=run.samples_done,
+        samples_total=run.samples_total,
+        options=RunOptions.model_validate(run),
+        data=RunData(
+            kind=run.data_kind, name=run.data_name, key=run.data_key, sha256=run.data_sha256
+        ),
+        created_at=run.created_at,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        timings=run.timings,
+        error=run.error,
+    )
+
+
+def _check_source(form: RunRequest) -> None:
+    if (form.data is None) == (form.random is None):
+        raise UploadError(
+            "give calibration data: an .npz file in field 'data', or a sample count in field "
+            "'random' (one of them)"
+        )
+    if form.random is not None and (form.samples is not None or form.key is not None):
+        raise UploadError("fields 'samples' and 'key' go with 'data'; 'random' is the count")
+
+
+@router.post(
+    "/api/models/{model_id}/runs",
+    status_code=status.HTTP_202_ACCEPTED,
+    responses={400: {"model": ErrorOut}, 413: {"model": ErrorOut}},
+)
+def create_run(
+    service: ServiceDep,
+    owner: Owner,
+    model_id: int,
+    form: Annotated[RunRequest, Form(media_type="multipart/form-data")],
+) -> RunOut:
+    """Queue a profiling run. The data is checked against the model's inputs (names, shapes,
+    dtypes, no pickles) and read through before the run is stored; poll ``GET /api/runs/{id}``."""
+    with service.db.session() as session:
+        inputs = own_model(session, owner, model_id).inputs
+    _check_source(form)
+    with service.store.scratch() as folder:
+        staged = sha256 = name = None
+        if form.data is not None:
+            name = file_stem(form.data.filename, ".npz") + ".npz"
+            staged = folder / name
+            limit = service.limits.max_data_bytes
+            sha256 = copy_file(form.data.file, staged, "the data file", limit)
+        samples = form.random or form.samples
+        spec = data_spec(name, form.key)
+        check_data(folder, spec, inputs, samples=samples, seed=form.seed)
+        run = Run(
+            model_id=model_id,
+            data_kind="random" if spec == RANDOM else "npz",
+            data_name=name,
+            data_key=form.key,
+            data_sha256=sha256,
+            bins=form.bins,
+            batch_size=form.batch_size,
+            samples=samples,
+            seed=form.seed,
+        )
+        run_id = catalog.add_run(service.db, service.store, run, staged)
+    if service.worker is not None:
+        service.worker.wake()
+    with service.db.session() as session:
+        return run_out(own_run(session, owner, run_id))
+
+
+@router.get("/api/models/{model_id}/runs")
+def list_runs(service: ServiceDep, owner: Owner, model_id: int) -> list[RunOut]:
+    with service.db.session() as session:
+        own_model(session, owner, model_id)
+        runs = session.scalars(select(Run).where(Run.model_id == model_id).order_by(Run.id))
+        return [run_out(run) for run in runs]
+
+
+@router.get("/api/runs/{run_id}")
+def get_run(service: ServiceDep, owner: Owner, run_id: int) -> RunOut:
+    """Status and progress of a run."""
+    with service.db.session() as session:
+        return run_out(own_run(session, owner, run_id))
+
+
+@router.get("/api/runs/{run_id}/profile", response_model=ProfileDocument, responses=_CONFLICT)
+def get_profile(service: ServiceDep, owner: Owner, run_id: int) -> JSONResponse:
+    """The profile JSON, exactly as ``rangeprof profile`` writes it."""
+    with service.db.session() as session:
+        doc = load_profile(session, done_run(session, owner, run_id))
+    return JSONResponse(doc)
+
+
+def _calibration(options: CalibrationRequest) -> CalibrationOptions:
+    return CalibrationOptions(**options.model_dump(exclude={"format"}))
+
+
+@router.get(
+    "/api/runs/{run_id}/export",
+    response_class=PlainTextResponse,
+    responses={400: {"model": ErrorOut}, **_CONFLICT},
+)
+def export_run(
+    service: ServiceDep, owner: Owner, run_id: int, query: Annotated[ExportQuery, Query()]
+) -> PlainTextResponse:
+    """The run's ranges in another tool's format, as ``rangeprof export`` writes them."""
+    options = _calibration(query)
+    with service.db.session() as session:
+        doc = load_profile(session, done_run(session, owner, run_id))
+    media = "application/json" if query.format in _JSON_FORMATS else "text/plain"
+    return PlainTextResponse(export(doc, query.format, options), media_type=media)
+
+
+@router.post(
+    "/api/runs/{run_id}/qparams",
+    status_code=status.HTTP_201_CREATED,
+    responses={400: {"model": ErrorOut}, **_CONFLICT},
+)
+def create_qparams(
+    service: ServiceDep, owner: Owner, run_id: int, body: CalibrationRequest | None = None
+) -> QParamsOut:
+    """Quantization parameters from the run's statistics, as ``rangeprof calibrate``."""
+    options = _calibration(body or CalibrationRequest())
+    with service.db.session() as session:
+        doc = load_profile(session, done_run(session, owner, run_id))
+    qparams = QParamsSet(run_id=run_id, options=options.to_json(), document=calibrate(doc, options))
+    with service.db.session() as session:
+        session.add(qparams)
+    return QParamsOut.model_validate(qparams)
+
+
+@router.get("/api/runs/{run_id}/qparams")
+def list_qparams(service: ServiceDep, owner: Owner, run_id: int) -> list[QParamsOut]:
+    with service.db.session() as session:
+        own_run(session, owner, run_id)
+        sets = session.scalars(
+            select(QParamsSet).where(QParamsSet.run_id == run_id).order_by(QParamsSet.id)
+        )
+        return [QParamsOut.model_validate(q) for q in sets]
+
+
+@router.get("/api/runs/{a}/compare/{b}", responses=_CONFLICT)
+def compare_runs(service: ServiceDep, owner: Owner, a: int, b: int) -> DriftOut:
+    """Per-profileID drift from run ``a`` to run ``b``: range change, histogram distance."""
+    with service.db.session() as session:
+        rows = [tensor_rows(session, done_run(session, owner, r).id) for r in (a, b)]
+    theirs = {row.profile_id: row for row in rows[1]}
+    ours = {row.profile_id for row in rows[0]}
+    if not ours & set(theirs):
+        raise HTTPException(
+            status.HTTP_400_BAD_REQUEST, f"runs {a} and {b} have no profileID in common"
+        )
+    return DriftOut(
+        a=a,
+        b=b,
+        tensors=[
+            tensor_drift(row.profile_id, row.kind, row.stats, theirs[row.profile_id].stats)
+            for row in rows[0]
+            if row.profile_id in theirs
+        ],
+        only_in_a=[row.profile_id for row in rows[0] if row.profile_id not in theirs],
+        only_in_b=[row.profile_id for row in rows[1] if row.profile_id not in ours],
+    )

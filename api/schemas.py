@@ -1,0 +1,211 @@
+"""Request and response bodies of the REST API (pydantic 2); OpenAPI is generated from these.
+
+Calibration choices (method, scheme, dtype, granularity, export format) are checked by
+:class:`profiler.calibration.CalibrationOptions` and :func:`profiler.exports.export`, so the API
+accepts exactly what the CLI accepts and reports the same messages.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from fastapi import UploadFile
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+from profiler.calibration import DTYPES, GRANULARITIES, METHODS, SCHEMES
+from profiler.exports import FORMATS
+from profiler.statistics import DEFAULT_BINS
+
+RunStatus = Literal["queued", "running", "done", "failed"]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class ErrorOut(BaseModel):
+    detail: str = Field(description="What is wrong, in one line.")
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+# Models
+
+
+class ModelUpload(BaseModel):
+    """multipart/form-data: the ONNX file, with all its weights inside it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: UploadFile = Field(description="The .onnx file.")
+    input_shapes: str | None = Field(
+        None,
+        description="Static shapes of inputs, NAME=DIMS separated by ';' "
+        "(e.g. 'x=1x3x48x192;y=1x10'), as `--input-shape` of the CLI.",
+    )
+
+
+class InputOut(BaseModel):
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class LayerOut(_Out):
+    profile_id: str
+    kind: str
+    op: str
+    source_node: str | None
+    source_op: str | None
+    source_tensor: str | None
+    shape: list[int] | None
+    dtype: str
+
+
+class StageOut(BaseModel):
+    """A stage report as ``rangeprof inspect --json`` prints it."""
+
+    name: str
+    bindings: int
+    tracked: int
+    ops: dict[str, int]
+    lineage: dict[str, list[str]]
+    fates: dict[str, str]
+
+
+class ModelSummary(_Out):
+    id: int
+    name: str
+    sha256: str
+    size: int
+    opset: int
+    input_shapes: dict[str, list[int]] = Field(description="The shapes given at upload.")
+    inputs: list[InputOut] = Field(description="The inputs as loaded (batch dim first).")
+    created_at: datetime
+
+
+class ModelOut(ModelSummary):
+    layers: list[LayerOut] = Field(description="Every profileID of the initial IR, in order.")
+    stages: list[StageOut] = Field(description="Lineage after every compiler stage.")
+
+
+# Runs
+
+
+class RunRequest(BaseModel):
+    """multipart/form-data: calibration data (an .npz upload, or ``random`` with a sample
+    count) and the options of ``rangeprof profile``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: UploadFile | None = Field(
+        None, description=".npz file, one array per input, [N, *sample_shape]; no pickles."
+    )
+    key: str | None = Field(
+        None, description="Array(s) of the .npz to use, comma-separated in input order."
+    )
+    random: int | None = Field(None, ge=1, description="Instead of data: this many samples.")
+    samples: int | None = Field(None, ge=1, description="Use at most this many samples.")
+    bins: int = Field(DEFAULT_BINS, ge=0, description="Histogram bins (0: no histograms).")
+    batch_size: int | None = Field(None, ge=1, description="Default: the model's batch.")
+    seed: int = Field(0, ge=0, description="Seed of random data.")
+
+
+class RunOptions(_Out):
+    bins: int
+    batch_size: int | None
+    samples: int | None
+    seed: int
+
+
+class RunData(BaseModel):
+    kind: Literal["npz", "random"]
+    name: str | None = Field(description="The uploaded file's name.")
+    key: str | None
+    sha256: str | None
+
+
+class RunOut(BaseModel):
+    id: int
+    model_id: int
+    status: RunStatus
+    progress: float = Field(ge=0, le=1, description="Share of the samples profiled.")
+    samples_done: int
+    samples_total: int | None
+    options: RunOptions
+    data: RunData
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    timings: dict[str, float] | None = Field(description="Seconds, from the profile.")
+    error: str | None = Field(description="Why the run failed.")
+
+
+class ProfileDocument(RootModel[dict[str, Any]]):
+    """The profile JSON of ``rangeprof profile`` (profiler/schemas/profile.schema.json)."""
+
+
+# Calibration and exports
+
+
+class CalibrationRequest(BaseModel):
+    """The options of ``rangeprof calibrate`` and ``rangeprof export``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = Field("max", description=" | ".join(METHODS))
+    percentile: float = Field(99.99, description="For method percentile.")
+    scheme: str = Field("sym", description=" | ".join(SCHEMES))
+    dtype: str = Field("int8", description=" | ".join(DTYPES))
+    granularity: str = Field("per-tensor", description=" | ".join(GRANULARITIES))
+    power_of_two: bool = Field(False, description="Round scales up to powers of two.")
+
+
+class ExportQuery(CalibrationRequest):
+    format: str = Field(description=" | ".join(FORMATS))
+
+
+class QParamsOut(_Out):
+    id: int
+    run_id: int
+    options: dict[str, Any]
+    created_at: datetime
+    document: dict[str, Any] = Field(
+        description="The QPARAMS JSON of `rangeprof calibrate` (profiler/schemas/qparams)."
+    )
+
+
+# Drift
+
+
+class Range(BaseModel):
+    min: float | None
+    max: float | None
+
+
+class TensorDrift(BaseModel):
+    profile_id: str
+    kind: str
+    a: Range
+    b: Range
+    min_shift: float | None = Field(description="b.min - a.min.")
+    max_shift: float | None = Field(description="b.max - a.max.")
+    range_change: float | None = Field(
+        description="Relative change of the range width, (w_b - w_a) / w_a; null when a's "
+        "range is empty or zero-width."
+    )
+    histogram_distance: float | None = Field(
+        description="Jensen-Shannon distance (base 2: 0 same distribution, 1 disjoint) of the "
+        "two histograms on a common bin grid; null without histograms."
+    )
+
+
+class DriftOut(BaseModel):
+    a: int = Field(description="Run id.")
+    b: int = Field(description="Run id.")
+    tensors: list[TensorDrift] = Field(description="Tensors in both runs, in a's order.")
+    only_in_a: list[str]
+    only_in_b: list[str]

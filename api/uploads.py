@@ -1,0 +1,117 @@
+"""Checking uploads before anything is stored: the ONNX model (loaded and tracked exactly as
+``rangeprof inspect`` does) and calibration data (opened and read through as ``rangeprof
+profile`` would, against the model's inputs). Every problem is a
+:class:`~profiler.errors.RangeprofError` naming the uploaded file, never a server path.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from profiler.data import RANDOM, InputSpec, open_data
+from profiler.errors import CalibrationDataError, InputShapeError, RangeprofError
+
+# onnxsim, inside load_model_bytes, is not thread-safe (it sets environment variables), and
+# TVM's pass context is global: one model is loaded and tracked at a time per process.
+_MODEL_LOCK = threading.Lock()
+_CHECK_BATCH = 64  # samples per read while checking data
+
+
+class UploadError(RangeprofError):
+    """An upload is unusable as sent (a missing field, a bad file name)."""
+
+
+def file_stem(filename: str | None, suffix: str) -> str:
+    """The upload's file name without ``suffix``, safe as a single path component."""
+    name = PurePosixPath((filename or "").replace("\\", "/")).name
+    if not name.lower().endswith(suffix) or len(name) == len(suffix):
+        raise UploadError(f"file name {filename!r} does not end in {suffix}")
+    if len(name) > 255 or not name.isprintable():
+        raise UploadError(f"file name {filename!r} is too long or has control characters")
+    return name[: -len(suffix)]
+
+
+def parse_shapes(text: str | None) -> dict[str, tuple[int, ...]]:
+    """``"x=1x3x48x192;y=1x10"`` -> ``{"x": (1, 3, 48, 192), "y": (1, 10)}``."""
+    from profiler.onnx_load import parse_input_shape
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for part in (text or "").split(";"):
+        if part.strip():
+            name, dims = parse_input_shape(part.strip())
+            if name in shapes:
+                raise InputShapeError(f"input {name!r} has two shapes in {text!r}")
+            shapes[name] = dims
+    return shapes
+
+
+@dataclass(frozen=True)
+class ModelAnalysis:
+    """What the service keeps of an uploaded model."""
+
+    name: str
+    data: bytes
+    sha256: str
+    opset: int
+    input_shapes: dict[str, list[int]]  # as given
+    inputs: list[dict]  # as loaded: {name, shape, dtype}
+    layers: list[dict]
+    stages: list[dict]
+
+
+def analyse_model(data: bytes, filename: str | None, shapes_text: str | None) -> ModelAnalysis:
+    # Imported here: TVM takes seconds to import, and a server or worker that receives no
+    # upload need not pay for it.
+    from profiler.onnx_load import load_model_bytes
+    from profiler.tracking import track
+
+    name = file_stem(filename, ".onnx")
+    shapes = parse_shapes(shapes_text)
+    with _MODEL_LOCK:
+        # No base_dir: external data outside the uploaded file is refused.
+        loaded = load_model_bytes(data, f"{name}.onnx", shapes)
+        tracked = track(loaded).to_json()
+    return ModelAnalysis(
+        name=name,
+        data=data,
+        sha256=loaded.sha256,
+        opset=loaded.opset,
+        input_shapes={k: list(v) for k, v in shapes.items()},
+        inputs=[
+            {"name": k, "shape": list(v), "dtype": loaded.input_dtypes[k]}
+            for k, v in loaded.input_shapes.items()
+        ],
+        layers=tracked["layers"],
+        stages=tracked["stages"],
+    )
+
+
+def data_spec(filename: str | None, key: str | None) -> str:
+    """The ``--data`` value for an uploaded .npz, relative to the folder holding it."""
+    if filename is None:
+        return RANDOM
+    return f"{filename}:{key}" if key else filename
+
+
+def check_data(
+    folder: Path, spec: str, inputs: list[dict], *, samples: int | None, seed: int
+) -> None:
+    """Open ``spec`` (a file in ``folder``, or ``random``) for the model's inputs and read it
+    through, so that a bad file fails now and not in the middle of a run."""
+    specs = [InputSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in inputs]
+    where = str(folder) + "/"
+    try:
+        source = open_data(
+            spec if spec == RANDOM else where + spec,
+            specs,
+            batch_size=_CHECK_BATCH,
+            samples=samples,
+            seed=seed,
+        )
+        if spec != RANDOM:
+            for _ in source.batches():
+                pass
+    except CalibrationDataError as err:
+        raise CalibrationDataError(str(err).replace(where, "")) from None

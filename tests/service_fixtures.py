@@ -1,0 +1,244 @@
+"""Helpers for the service tests: a fresh database on either backend, live servers (in a thread
+or a process), small uploads, and the observable state (rows, stored files) that bad input must
+leave untouched."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psycopg
+import pytest
+import uvicorn
+from sqlalchemy import create_engine, func, select
+from typer.testing import CliRunner
+
+from api.app import create_app
+from api.auth import create_token
+from api.db import Database
+from api.limits import Limits
+from api.migrate import upgrade
+from api.models import Base
+from profiler.cli import app as cli
+
+from conftest import SHARED
+
+BACKENDS = ("sqlite", "postgresql")
+# PostgreSQL of the test machines and CI: trust auth, an existing database to connect to.
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+DIGITS = SHARED / "data" / "digits.npz"
+
+
+@contextmanager
+def database(backend: str, folder: Path) -> Iterator[str]:
+    """The URL of an empty database of its own; a PostgreSQL one is dropped afterwards."""
+    if backend == "sqlite":
+        yield f"sqlite:///{folder / 'service.db'}"
+        return
+    name = f"rangeprof_test_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as err:
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN}: {err}")
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+        finally:
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+def rangeprof(*args: str) -> str:
+    """Run a CLI command in this process; return its stdout (it must succeed)."""
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def row_counts(url: str) -> dict[str, int]:
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        with engine.connect() as connection:
+            return {
+                name: connection.scalar(select(func.count()).select_from(table))
+                for name, table in Base.metadata.tables.items()
+            }
+    finally:
+        engine.dispose()
+
+
+def stored_files(root: Path) -> list[str]:
+    """Every file and folder in the blob store, scratch folders included."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """uvicorn serving ``app`` on a loopback port, in a thread of this process."""
+
+    def __init__(self, app):
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+class ProcessServer:
+    """``rangeprof serve`` in a process of its own (so that it can be killed)."""
+
+    def __init__(self, url: str, storage: Path, port: int, log: Path, *options: str):
+        command = [sys.executable, "-m", "profiler", "serve", "--db", url, "--port", str(port)]
+        command += ["--storage", str(storage), *options]
+        with log.open("a") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{self.url}/api/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+    def children(self) -> list[int]:
+        """Processes the server started (profiling runs)."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.process.pid:
+                found.append(int(stat.parent.name))
+        return found
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+def client(base_url: str, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=base_url, headers=headers, timeout=60)
+
+
+@dataclass
+class Live:
+    """A running service and clients for two tokens and for no token."""
+
+    url: str  # of the database
+    storage: Path
+    owner: httpx.Client
+    stranger: httpx.Client
+    anonymous: httpx.Client
+
+
+@contextmanager
+def live_service(backend: str, folder: Path, limits: Limits) -> Iterator[Live]:
+    """A fresh migrated database and the app on it, with a two-slot in-process worker."""
+    with database(backend, folder) as url:
+        upgrade(url)
+        db = Database(url)
+        owner, stranger = (create_token(db, name) for name in ("owner", "stranger"))
+        db.dispose()
+        storage = folder / "blobs"
+        app = create_app(url, storage=storage, jobs=2, worker_name="test", limits=limits)
+        server = ThreadServer(app)
+        clients = [client(server.url, token) for token in (owner, stranger, None)]
+        try:
+            yield Live(url, storage, *clients)
+        finally:
+            for c in clients:
+                c.close()
+            server.stop()
+
+
+def wait_for_run(api: httpx.Client, run_id: int, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = api.get(f"/api/runs/{run_id}").json()
+        if run["status"] in ("done", "failed"):
+            return run
+        assert time.monotonic() < deadline, run
+        time.sleep(0.2)
+
+
+def npz_bytes(**arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def write_calib(folder: Path, name: str = "calib.npz", start: int = 0, count: int = 16) -> Path:
+    """``count`` digits calibration samples as an .npz with one array, ``calib``."""
+    path = folder / name
+    np.savez(path, calib=np.load(DIGITS)["calib"][start : start + count])
+    return path
+
+
+def upload_model(api: httpx.Client, path: Path, **form) -> httpx.Response:
+    return api.post("/api/models", files={"file": (path.name, path.read_bytes())}, data=form)
+
+
+def start_run(api: httpx.Client, model_id: int, data: Path | None = None, **form) -> dict:
+    files = {"data": (data.name, data.read_bytes())} if data else None
+    response = api.post(f"/api/models/{model_id}/runs", files=files, data=form)
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def cli_profile(model: Path, data: str, out: Path, *options: str) -> dict:
+    rangeprof("profile", str(model), "--data", data, "--out", str(out), *options)
+    return json.loads(out.read_text())
+
+
+def same_document(served: dict, written: dict) -> None:
+    """Equal as JSON text, except the run facts that differ between any two runs."""
+    per_run = ("timings", "build_cache", "data")
+
+    def text(doc: dict) -> str:
+        run = {k: v for k, v in doc["run"].items() if k not in per_run}
+        return json.dumps({**doc, "run": run})
+
+    assert list(served) == list(written)
+    assert list(served["run"]) == list(written["run"])
+    assert text(served) == text(written)
+
+
+def environment_with(**values: str) -> dict[str, str]:
+    return {**os.environ, **values}

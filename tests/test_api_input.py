@@ -1,0 +1,218 @@
+"""Bad input through real HTTP, on SQLite and PostgreSQL: every case gets its 4xx with a JSON
+``detail`` naming the problem, leaves no row and no stored file behind, and the server goes on
+serving."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from api.limits import Limits
+
+import onnx_builders as mb
+from conftest import zoo_model
+from service_fixtures import (
+    BACKENDS,
+    Live,
+    live_service,
+    npz_bytes,
+    row_counts,
+    stored_files,
+    upload_model,
+)
+
+LIMITS = Limits(max_model_bytes=300_000, max_data_bytes=100_000)
+
+
+@dataclass
+class Served:
+    live: Live
+    model_id: int  # digits_cnn: one input "image", float32 [1, 1, 8, 8]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def served(request, tmp_path_factory):
+    with live_service(request.param, tmp_path_factory.mktemp(request.param), LIMITS) as live:
+        response = upload_model(live.owner, zoo_model("digits_cnn"))
+        assert response.status_code == 201, response.text
+        yield Served(live, response.json()["id"])
+
+
+def _refused(served: Served, send, status: int, *needles: str) -> None:
+    """``send(client)`` gets ``status`` naming the problem, and changes nothing."""
+    live = served.live
+    rows, files = row_counts(live.url), stored_files(live.storage)
+    response = send(live.owner)
+    assert response.status_code == status, response.text
+    detail = response.json()["detail"]
+    assert isinstance(detail, str) and "\n" not in detail
+    for needle in needles:
+        assert needle in detail, detail
+    assert row_counts(live.url) == rows
+    assert stored_files(live.storage) == files
+    assert str(live.storage) not in detail  # no server paths
+    assert live.owner.get(f"/api/models/{served.model_id}").status_code == 200
+
+
+def _model(name: str, data: bytes, **form):
+    return lambda api: api.post("/api/models", files={"file": (name, data)}, data=form)
+
+
+def _external(location: str) -> bytes:
+    model = mb.gemm()
+    weight = next(t for t in model.graph.initializer if t.name == "w")
+    weight.ClearField("raw_data")
+    weight.ClearField("float_data")
+    weight.data_location = TensorProto.EXTERNAL
+    entry = weight.external_data.add()
+    entry.key, entry.value = "location", location
+    return model.SerializeToString()
+
+
+def _custom_ops() -> bytes:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="ok"),
+        helper.make_node("FancyOp", ["a"], ["y"], name="f1", domain="acme"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("acme", 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def _big_model() -> bytes:
+    rng = np.random.default_rng(0)
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    model = mb.single_io_model([node], {"w": rng.normal(size=(300, 300))}, (1, 300), (1, 300))
+    return model.SerializeToString()
+
+
+GEMM = mb.gemm().SerializeToString()
+_PART_HEAD = b'--b\r\nContent-Disposition: form-data; name="file"; filename="big.onnx"\r\n\r\n'
+MODEL_CASES = {
+    "not onnx": (_model("notes.onnx", b"not a protobuf\n" * 20), 400, "notes.onnx", "ONNX"),
+    "truncated": (_model("cut.onnx", GEMM[: len(GEMM) // 2]), 400, "cut.onnx", "truncated"),
+    "no .onnx suffix": (_model("model.txt", GEMM), 400, "model.txt", ".onnx"),
+    "external data": (_model("ext.onnx", _external("w.bin")), 400, "'w.bin'", "external data"),
+    "external data outside": (
+        _model("ext.onnx", _external("../secret.bin")),
+        400,
+        "'../secret.bin'",
+        "outside",
+    ),
+    "unsupported op": (_model("custom.onnx", _custom_ops()), 400, "FancyOp"),
+    "malformed shape": (_model("g.onnx", GEMM, input_shapes="x=2xbanana"), 400, "2xbanana"),
+    "unknown input": (_model("g.onnx", GEMM, input_shapes="z=2x8"), 400, "no input named 'z'"),
+    "shape misfit": (_model("g.onnx", GEMM, input_shapes="x=2x9"), 400, "does not fit"),
+    "over the size limit": (_model("big.onnx", _big_model()), 413, "limit of 300000 bytes"),
+    "no file": (lambda api: api.post("/api/models", data={"x": "1"}), 422, "file"),
+    "streamed over the limit": (
+        lambda api: api.post(
+            "/api/models",
+            content=iter([_PART_HEAD, *[b"x" * 100_000] * 5]),  # chunked: no Content-Length
+            headers={"content-type": "multipart/form-data; boundary=b"},
+        ),
+        413,
+        "the model upload",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_bad_model_upload(served, case):
+    send, status, *needles = MODEL_CASES[case]
+    _refused(served, send, status, *needles)
+
+
+def _run(files: dict | None = None, **form):
+    return lambda api, model_id: api.post(f"/api/models/{model_id}/runs", files=files, data=form)
+
+
+def _data(name: str, data: bytes, **form):
+    return _run({"data": (name, data)}, **form)
+
+
+def _digits(count: int = 4, **arrays) -> bytes:
+    return npz_bytes(**(arrays or {"calib": np.zeros((count, 1, 8, 8), np.float32)}))
+
+
+def _truncated_member() -> bytes:
+    """A valid zip whose array holds fewer samples than its header promises."""
+    array = io.BytesIO()
+    np.lib.format.write_array(array, np.zeros((16, 1, 8, 8), np.float32))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("calib.npy", array.getvalue()[:-300])
+    return buffer.getvalue()
+
+
+RUN_CASES = {
+    "pickled objects": (
+        _data("p.npz", _digits(calib=np.array([object()] * 4))),
+        400,
+        "pickled data",
+    ),
+    "wrong shape": (
+        _data("s.npz", _digits(calib=np.zeros((4, 1, 7, 7), np.float32))),
+        400,
+        "does not fit input 'image'",
+    ),
+    "unsafe dtype": (
+        _data("c.npz", _digits(calib=np.zeros((4, 1, 8, 8), np.complex64))),
+        400,
+        "does not cast safely",
+    ),
+    "two arrays, no key": (
+        _data("two.npz", _digits(a=np.zeros((4, 1, 8, 8)), b=np.zeros((4, 1, 8, 8)))),
+        400,
+        "choose one",
+    ),
+    "missing key": (_data("k.npz", _digits(), key="nope"), 400, "no array 'nope'"),
+    "not an npz": (_data("z.npz", b"PK but not really"), 400, "z.npz", "not an .npz"),
+    "truncated array": (_data("t.npz", _truncated_member()), 400, "t.npz", "truncated"),
+    "no .npz suffix": (_data("calib.npy", _digits()), 400, ".npz"),
+    "data and random": (_data("d.npz", _digits(), random="4"), 400, "one of them"),
+    "no data": (_run(bins="8"), 400, "'data'", "'random'"),
+    "random with samples": (_run(random="4", samples="2"), 400, "'random' is the count"),
+    "negative bins": (_run(random="4", bins="-1"), 422, "bins"),
+    "zero samples": (_data("d.npz", _digits(), samples="0"), 422, "samples"),
+    "over the size limit": (_data("big.npz", _digits(1000)), 413, "the data upload"),
+    "over the size limit, within the slack": (
+        _data("big.npz", _digits(450)),
+        413,
+        "the data file",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", RUN_CASES)
+def test_bad_run_request(served, case):
+    send, status, *needles = RUN_CASES[case]
+    _refused(served, lambda api: send(api, served.model_id), status, *needles)
+
+
+def test_unknown_model_is_not_found(served):
+    _refused(served, lambda api: _run(random="2")(api, 999_999), 404, "model 999999 not found")
+
+
+def test_good_input_after_bad_input(served):
+    assert upload_model(served.live.owner, zoo_model("digits_cnn")).status_code == 201
+    data = _digits()
+    response = _data("good.npz", data, samples="2")(served.live.owner, served.model_id)
+    assert response.status_code == 202, response.text
+    assert response.json()["data"] == {
+        "kind": "npz",
+        "name": "good.npz",
+        "key": None,
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }

@@ -1,0 +1,102 @@
+"""Migrations build the schema of the ORM models, on SQLite and PostgreSQL; commands refuse a
+database that is not at head; tokens are stored as hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, select
+from typer.testing import CliRunner
+
+from api.db import make_engine
+from api.migrate import head
+from api.models import Base, Token
+from profiler.cli import app as cli
+
+from service_fixtures import BACKENDS, database, environment_with, rangeprof, row_counts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=BACKENDS)
+def empty_db(request, tmp_path):
+    with database(request.param, tmp_path) as url:
+        yield url
+
+
+def _tables(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_builds_the_models_schema(empty_db):
+    rangeprof("db", "upgrade", "--db", empty_db)
+    assert _tables(empty_db) == set(Base.metadata.tables) | {"alembic_version"}
+    assert set(row_counts(empty_db).values()) == {0}
+    engine = make_engine(empty_db)
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"compare_type": True})
+            assert context.get_current_revision() == head()
+            assert compare_metadata(context, Base.metadata) == []
+    finally:
+        engine.dispose()
+    rangeprof("db", "upgrade", "--db", empty_db)  # at head already: nothing to do
+
+
+def test_alembic_from_the_repository_root(empty_db):
+    env = environment_with(RANGEPROF_DB=empty_db)
+    for step in ("upgrade head", "downgrade base"):
+        subprocess.run(
+            [sys.executable, "-m", "alembic", *step.split()],
+            cwd=REPO,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        if step == "upgrade head":
+            assert set(Base.metadata.tables) <= _tables(empty_db)
+    assert _tables(empty_db) == {"alembic_version"}
+
+
+@pytest.mark.parametrize(
+    "command", [["token", "create", "me"], ["worker"], ["serve", "--port", "1"]]
+)
+def test_commands_refuse_a_database_not_at_head(tmp_path, command):
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    result = CliRunner().invoke(cli, [*command, "--db", url])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rangeprof db upgrade" in lines[0], result.stderr
+
+
+def test_unreachable_database_is_one_line(tmp_path):
+    result = CliRunner().invoke(
+        cli, ["db", "upgrade", "--db", "postgresql://nobody@127.0.0.1:1/none"]
+    )
+    assert result.exit_code == 2
+    assert "cannot open the database" in result.stderr and "Traceback" not in result.output
+
+
+def test_token_is_printed_once_and_stored_as_a_hash(empty_db):
+    rangeprof("db", "upgrade", "--db", empty_db)
+    token = rangeprof("token", "create", "alice", "--db", empty_db).strip()
+    assert token.startswith("rp_") and len(token) > 40
+    engine = make_engine(empty_db)
+    try:
+        with engine.connect() as connection:
+            stored = connection.execute(select(Token.name, Token.token_hash)).all()
+    finally:
+        engine.dispose()
+    assert stored == [("alice", hashlib.sha256(token.encode()).hexdigest())]
+    again = CliRunner().invoke(cli, ["token", "create", "alice", "--db", empty_db])
+    assert again.exit_code == 2 and "exists already" in again.stderr
