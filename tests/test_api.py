@@ -175,7 +175,9 @@ def test_concurrent_runs_do_not_interfere_and_drift_is_reported(live, digits, tm
 
 
 def test_a_failing_run_is_failed_with_its_reason(live, tmp_path):
-    model = upload_model(live.owner, mb.save(mb.gemm(), tmp_path, "gemm.onnx")).json()
+    path = mb.save(mb.gemm(), tmp_path, "gemm.onnx")
+    model = upload_model(live.owner, path, input_shapes="x=2x8").json()
+    assert model["input_shapes"] == {"x": [2, 8]}
     queued = start_run(live.owner, model["id"], random="4", batch_size="3")
     run = wait_for_run(live.owner, queued["id"])
     assert run["status"] == "failed" and "batch size 3 does not fit" in run["error"]
@@ -186,16 +188,21 @@ def test_a_failing_run_is_failed_with_its_reason(live, tmp_path):
 def test_delete_removes_the_model_its_runs_and_files(live, tmp_path):
     rows, files = row_counts(live.url), stored_files(live.storage)
     path = mb.save(mb.conv_bias(), tmp_path, "conv.onnx")
-    model = upload_model(live.owner, path).json()
+    model, twin = (upload_model(live.owner, path).json() for _ in range(2))
+    assert model["sha256"] == twin["sha256"] and model["id"] != twin["id"]
     data = tmp_path / "conv.npz"
     data.write_bytes(npz_bytes(x=np.ones((4, 3, 6, 6), np.float32)))
     run = start_run(live.owner, model["id"], data)
     assert row_counts(live.url)["run"] == rows["run"] + 1
-    assert len(stored_files(live.storage)) > len(files)
+    blob = live.storage / model["sha256"][:2] / f"{model['sha256']}.onnx"
+    sha = run["data"]["sha256"]
+    assert blob.is_file() and (live.storage / sha[:2] / f"{sha}.npz").is_file()
     assert live.stranger.delete(f"/api/models/{model['id']}").status_code == 404
     assert live.owner.delete(f"/api/models/{model['id']}").status_code == 204
     assert live.owner.get(f"/api/models/{model['id']}").status_code == 404
     assert live.owner.get(f"/api/runs/{run['id']}").status_code == 404
+    assert blob.is_file()  # the twin still refers to it
+    assert live.owner.delete(f"/api/models/{twin['id']}").status_code == 204
     assert row_counts(live.url) == rows
     deadline = time.monotonic() + 20  # the worker may still be tearing the stopped run down
     while stored_files(live.storage) != files and time.monotonic() < deadline:

@@ -1,10 +1,12 @@
-"""A real ``rangeprof serve`` process killed in the middle of a run, then started again on the
-same database and storage (SQLite and PostgreSQL): everything stored survives, the run's child
-process dies with the server, and the run is failed with a reason instead of staying
-``running``."""
+"""The service as processes: a real ``rangeprof serve`` killed in the middle of a run, then
+started again on the same database and storage (SQLite and PostgreSQL) — everything stored
+survives, the run's child process dies with the server, and the run is failed with a reason
+instead of staying ``running``; and a server that only queues beside a ``rangeprof worker``."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,3 +80,30 @@ def test_restart_keeps_everything_and_fails_the_interrupted_run(backend, tmp_pat
                 assert row_counts(url) == rows
         finally:
             server.stop()
+
+
+def test_a_separate_worker_executes_the_runs(tmp_path):
+    """The compose deployment: the API queues (``--jobs 0``), ``rangeprof worker`` executes."""
+    with database("postgresql", tmp_path) as url:
+        rangeprof("db", "upgrade", "--db", url)
+        token = rangeprof("token", "create", "me", "--db", url).strip()
+        storage, log = tmp_path / "blobs", tmp_path / "server.log"
+        command = [sys.executable, "-m", "profiler", "worker", "--db", url]
+        with log.open("a") as out:
+            worker = subprocess.Popen(
+                [*command, "--storage", str(storage), "--name", "w1"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        server = ProcessServer(url, storage, free_port(), log, "--jobs", "0")
+        try:
+            with client(server.url, token) as api:
+                model = upload_model(api, zoo_model("digits_cnn")).json()
+                run = wait_for_run(api, start_run(api, model["id"], random="2")["id"])
+                assert run["status"] == "done", run["error"] or log.read_text()
+                assert api.get(f"/api/runs/{run['id']}/profile").json()["run"]["samples"] == 2
+        finally:
+            server.stop()
+            worker.terminate()
+            assert worker.wait(timeout=60) == 0, log.read_text()
+        assert "run 1 done" in log.read_text()
