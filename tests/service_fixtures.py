@@ -112,27 +112,19 @@ class ThreadServer:
         self.thread.join(timeout=60)
 
 
-class ProcessServer:
-    """``rangeprof serve`` in a process of its own (so that it can be killed)."""
+class Rangeprof:
+    """A ``rangeprof`` command (``serve``, ``worker``) in a process of its own, so that it can
+    be killed; its output goes to ``log``."""
 
-    def __init__(self, url: str, storage: Path, port: int, log: Path, *options: str):
-        command = [sys.executable, "-m", "profiler", "serve", "--db", url, "--port", str(port)]
-        command += ["--storage", str(storage), *options]
+    def __init__(self, log: Path, *args: str):
         with log.open("a") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        self.url, self.log = f"http://127.0.0.1:{port}", log
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(f"{self.url}/api/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "profiler", *args], stdout=out, stderr=subprocess.STDOUT
+            )
+        self.log = log
 
     def children(self) -> list[int]:
-        """Processes the server started (profiling runs)."""
+        """Processes it started (profiling runs)."""
         found = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
@@ -147,9 +139,24 @@ class ProcessServer:
         self.process.kill()
         self.process.wait()
 
-    def stop(self) -> None:
+    def stop(self) -> int:
         self.process.terminate()
-        self.process.wait(timeout=60)
+        return self.process.wait(timeout=60)
+
+
+def serve(url: str, storage: Path, port: int, log: Path, *options: str) -> Rangeprof:
+    """``rangeprof serve``, once it answers."""
+    args = ["serve", "--db", url, "--port", str(port), "--storage", str(storage), *options]
+    server = Rangeprof(log, *args)
+    deadline = time.monotonic() + 60
+    while True:
+        assert server.process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "server did not start"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/health").status_code == 200:
+                return server
+        except httpx.TransportError:
+            time.sleep(0.1)
 
 
 def client(base_url: str, token: str | None) -> httpx.Client:

@@ -1,12 +1,15 @@
-"""The service as processes: a real ``rangeprof serve`` killed in the middle of a run, then
-started again on the same database and storage (SQLite and PostgreSQL) — everything stored
-survives, the run's child process dies with the server, and the run is failed with a reason
-instead of staying ``running``; and a server that only queues beside a ``rangeprof worker``."""
+"""The service as processes, killed in the middle of a run and started again on the same
+database and storage: everything stored survives, the run's child process dies with its worker,
+and the run is failed with a reason instead of staying ``running``.
+
+On SQLite the embedded deployment runs: one ``rangeprof serve`` with its own worker. On
+PostgreSQL the deployment of ``docker/compose.yaml``: ``rangeprof serve --jobs 0`` queues runs
+and a ``rangeprof worker`` executes them.
+"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import signal
 import time
 from pathlib import Path
 
@@ -17,12 +20,13 @@ from api.jobs import STOPPED
 from conftest import zoo_model
 from service_fixtures import (
     BACKENDS,
-    ProcessServer,
+    Rangeprof,
     client,
     database,
     free_port,
     rangeprof,
     row_counts,
+    serve,
     start_run,
     upload_model,
     wait_for_run,
@@ -39,39 +43,55 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_restart_keeps_everything_and_fails_the_interrupted_run(backend, tmp_path):
     with database(backend, tmp_path) as url:
         rangeprof("db", "upgrade", "--db", url)
         token = rangeprof("token", "create", "me", "--db", url).strip()
-        storage, port, log = tmp_path / "blobs", free_port(), tmp_path / "server.log"
-        server = ProcessServer(url, storage, port, log, "--jobs", "2")
+        storage, port, log = tmp_path / "blobs", free_port(), tmp_path / "service.log"
+
+        def start() -> list[Rangeprof]:
+            """The deployment; the process executing runs comes last."""
+            if backend == "sqlite":
+                return [serve(url, storage, port, log, "--jobs", "2")]
+            worker = ["worker", "--db", url, "--storage", str(storage), "--name", "w1"]
+            return [serve(url, storage, port, log, "--jobs", "0"), Rangeprof(log, *worker)]
+
+        processes = start()
         try:
-            with client(server.url, token) as api:
+            with client(f"http://127.0.0.1:{port}", token) as api:
                 model = upload_model(api, zoo_model("digits_cnn")).json()
                 queued = start_run(api, model["id"], write_calib(tmp_path))
                 long = start_run(api, model["id"], random="1000000")
                 finished = wait_for_run(api, queued["id"])
-                assert finished["status"] == "done", finished["error"]
+                assert finished["status"] == "done", finished["error"] or log.read_text()
                 profile = api.get(f"/api/runs/{finished['id']}/profile").json()
-                deadline = time.monotonic() + 60
-                while api.get(f"/api/runs/{long['id']}").json()["samples_done"] == 0:
-                    assert time.monotonic() < deadline, log.read_text()
-                    time.sleep(0.1)
-                children = server.children()
+                _until(
+                    lambda: api.get(f"/api/runs/{long['id']}").json()["samples_done"] > 0,
+                    "the long run makes no progress",
+                    timeout=120,
+                )
+                children = processes[-1].children()
                 rows = row_counts(url)
         finally:
-            server.kill()
+            for process in processes:
+                process.kill()
         assert children, "the run executes in a child process"
-        deadline = time.monotonic() + 20
-        while any(_alive(pid) for pid in children):
-            assert time.monotonic() < deadline, "the run outlived its server"
-            time.sleep(0.1)
+        _until(lambda: not any(map(_alive, children)), "the run outlived its worker", 20)
 
-        server = ProcessServer(url, storage, port, log, "--jobs", "2")
+        processes = start()
         try:
-            with client(server.url, token) as api:
-                interrupted = api.get(f"/api/runs/{long['id']}").json()
+            with client(f"http://127.0.0.1:{port}", token) as api:
+                run = f"/api/runs/{long['id']}"
+                _until(lambda: api.get(run).json()["status"] != "running", "still running")
+                interrupted = api.get(run).json()
                 assert (interrupted["status"], interrupted["error"]) == ("failed", STOPPED)
                 assert 0 < interrupted["progress"] < 1 and interrupted["finished_at"]
                 assert api.get(f"/api/models/{model['id']}").json() == model
@@ -79,31 +99,7 @@ def test_restart_keeps_everything_and_fails_the_interrupted_run(backend, tmp_pat
                 assert api.get(f"/api/runs/{finished['id']}/profile").json() == profile
                 assert row_counts(url) == rows
         finally:
-            server.stop()
-
-
-def test_a_separate_worker_executes_the_runs(tmp_path):
-    """The compose deployment: the API queues (``--jobs 0``), ``rangeprof worker`` executes."""
-    with database("postgresql", tmp_path) as url:
-        rangeprof("db", "upgrade", "--db", url)
-        token = rangeprof("token", "create", "me", "--db", url).strip()
-        storage, log = tmp_path / "blobs", tmp_path / "server.log"
-        command = [sys.executable, "-m", "profiler", "worker", "--db", url]
-        with log.open("a") as out:
-            worker = subprocess.Popen(
-                [*command, "--storage", str(storage), "--name", "w1"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        server = ProcessServer(url, storage, free_port(), log, "--jobs", "0")
-        try:
-            with client(server.url, token) as api:
-                model = upload_model(api, zoo_model("digits_cnn")).json()
-                run = wait_for_run(api, start_run(api, model["id"], random="2")["id"])
-                assert run["status"] == "done", run["error"] or log.read_text()
-                assert api.get(f"/api/runs/{run['id']}/profile").json()["run"]["samples"] == 2
-        finally:
-            server.stop()
-            worker.terminate()
-            assert worker.wait(timeout=60) == 0, log.read_text()
-        assert "run 1 done" in log.read_text()
+            server, *worker = (process.stop() for process in processes)
+        # uvicorn ends by re-raising the SIGTERM it handled; the worker returns.
+        assert server in (0, -signal.SIGTERM) and worker in ([], [0]), log.read_text()
+        assert "Application shutdown complete" in log.read_text()

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
 from typer.testing import CliRunner
 
 from api.db import make_engine
-from api.migrate import head
+from api.migrate import alembic_config, head
 from api.models import Base, Token
 from profiler.cli import app as cli
 
@@ -53,18 +54,12 @@ def test_upgrade_builds_the_models_schema(empty_db):
     rangeprof("db", "upgrade", "--db", empty_db)  # at head already: nothing to do
 
 
-def test_alembic_from_the_repository_root(empty_db):
+def test_alembic_from_the_repository_root_and_back(empty_db):
     env = environment_with(RANGEPROF_DB=empty_db)
-    for step in ("upgrade head", "downgrade base"):
-        subprocess.run(
-            [sys.executable, "-m", "alembic", *step.split()],
-            cwd=REPO,
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-        if step == "upgrade head":
-            assert set(Base.metadata.tables) <= _tables(empty_db)
+    upgrade = [sys.executable, "-m", "alembic", "upgrade", "head"]
+    subprocess.run(upgrade, cwd=REPO, env=env, check=True, capture_output=True)
+    assert set(Base.metadata.tables) <= _tables(empty_db)
+    command.downgrade(alembic_config(empty_db), "base")
     assert _tables(empty_db) == {"alembic_version"}
 
 
