@@ -4,11 +4,14 @@
 
 For each model (../shared/models) it times, per sample, on the same random data:
 
-* ``plain``: the uninstrumented model (default pipeline: fused), the baseline;
+* ``plain``: the uninstrumented model, our fast build without scale folding (the arithmetic the
+  profiling program keeps), the baseline;
 * ``extra_outputs``: our choice — every initial float tensor added to ``main``'s outputs, the
-  normal fused pipeline, statistics on the returned buffers;
-* ``vm_instrument_unfused``: no fusion, one kernel per op, a VM instrument callback computing
-  the statistics of every kernel output (fused kernels would hide intermediates from it);
+  same fused pipeline, each such tensor summarised by a compiled statistics kernel right where
+  it is produced (:mod:`profiler.executor`), the kernels' vectors decoded per batch;
+* ``vm_instrument_unfused``: TVM's default pipeline without fusion, one kernel per op, a VM
+  instrument callback computing the statistics of every kernel output in numpy (fused kernels
+  would hide intermediates from it);
 
 and prints ms/sample, the ratio to ``plain`` and how many tensors each option observes. It also
 checks that ``extra_outputs`` reproduces ``plain``'s outputs bit for bit.
@@ -26,10 +29,10 @@ import tvm
 from tvm import relax
 
 from profiler.data import model_inputs, open_data
-from profiler.executor import instrument
+from profiler.executor import compile_program
 from profiler.importer import import_onnx
 from profiler.onnx_load import load_model
-from profiler.schedules import host_target
+from profiler.schedules import build, host_target
 from profiler.statistics import TensorStats
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -56,15 +59,12 @@ def measure(name: str, samples: int) -> dict:
     source = open_data("random", model_inputs(loaded), samples=samples)
     batches = [[tvm.runtime.tensor(a) for a in batch.values()] for batch in source.batches()]
 
-    plain = _vm(imported.mod)
-    instrumented, observed, _ = instrument(imported.mod, imported.layers)
-    extra = _vm(instrumented)
+    plain = relax.VirtualMachine(build(imported.mod, fold_scales=False), tvm.cpu())
+    names = list(loaded.input_shapes)
+    _, program = compile_program(imported.mod, imported.layers, names)
 
     def run_extra(args):
-        result = extra["main"](*args)
-        for value in list(result)[1 : 1 + len(observed)]:
-            TensorStats.observe(np.from_dlpack(value))
-        return result
+        return program.run(dict(zip(names, (a.numpy() for a in args), strict=True)))
 
     no_fusion = tvm.transform.Sequential(
         [relax.transform.LegalizeOps(), relax.pipeline.default_build_pipeline()]
@@ -82,14 +82,14 @@ def measure(name: str, samples: int) -> dict:
 
     unfused.set_instrument(callback)
     same = all(
-        plain["main"](*b).numpy().tobytes() == extra["main"](*b)[0].numpy().tobytes()
+        plain["main"](*b).numpy().tobytes() == run_extra(b)[0].numpy().tobytes()
         for b in batches[:4]
     )
     row = {
         "plain_ms": _time(lambda b: plain["main"](*b), batches),
         "extra_outputs_ms": _time(run_extra, batches),
         "vm_instrument_unfused_ms": _time(lambda b: unfused["main"](*b), batches),
-        "extra_outputs_tensors": len(observed),
+        "extra_outputs_tensors": len(program.observed),
         "vm_instrument_tensors_per_sample": len(seen) // (len(batches) + 1),
         "extra_outputs_bitwise_equal": same,
     }

@@ -60,22 +60,32 @@ _MAX_FINITE = {
 }
 
 
+def kernel_view(shape: tuple[int, ...], channel_axis: int | None) -> tuple[int, ...]:
+    """The shape a kernel reads a tensor as: ``(n,)``, or ``(outer, C, inner)`` around the
+    channel axis (a view: the same memory)."""
+    n = math.prod(shape)
+    if channel_axis is None:
+        return (n,)
+    channels = shape[channel_axis]
+    outer = math.prod(shape[:channel_axis])
+    return (outer, channels, n // (outer * channels) if n else 1)
+
+
 def output_length(shape: tuple[int, ...], channel_axis: int | None, bins: int) -> int:
     channels = 0 if channel_axis is None else shape[channel_axis]
     return HEADER + bins + 2 * channels
 
 
-def kernel_name(ndim: int, dtype: str, channel_axis: int | None, bins: int) -> str:
-    axis = "" if channel_axis is None else f"_c{channel_axis}"
-    return f"observe_stats_{dtype}_{ndim}d{axis}_b{bins}"
+def kernel_name(dtype: str, per_channel: bool, bins: int) -> str:
+    return f"observe_stats_{dtype}{'_channels' if per_channel else ''}_b{bins}"
 
 
 @functools.cache
-def stats_kernel(
-    ndim: int, dtype: str, channel_axis: int | None, bins: int, workers: int
-) -> tirx.PrimFunc:
-    """The statistics kernel for tensors of ``ndim`` dimensions (see the module doc)."""
-    dims = [tirx.Var(f"d{i}", "int64") for i in range(ndim)]
+def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx.PrimFunc:
+    """The statistics kernel for tensors viewed as :func:`kernel_view` gives (see the module
+    doc); with ``per_channel`` the view is ``(outer, C, inner)`` and per-channel ranges are
+    computed too."""
+    dims = [tirx.Var(f"d{i}", "int64") for i in range(3 if per_channel else 1)]
     n = functools.reduce(lambda a, b: a * b, dims, tirx.const(1, "int64"))
     work = "float64" if dtype == "float64" else "float32"  # min / max are exact in it
     big = tirx.const(_MAX_FINITE[dtype], work)
@@ -248,10 +258,8 @@ def stats_kernel(
             out[HEADER + b] = out[HEADER + b] + T.Cast("float64", counts[w, k, b])
 
     # --- 4. per-channel ranges over the [outer, C, inner] view, workers over `outer` ----------
-    axis = channel_axis or 0
-    channels = dims[axis] if channel_axis is not None else tirx.const(0, "int64")
-    outer = functools.reduce(lambda a, b: a * b, dims[:axis], tirx.const(1, "int64"))
-    inner = functools.reduce(lambda a, b: a * b, dims[axis + 1 :], tirx.const(1, "int64"))
+    one = tirx.const(1, "int64")
+    outer, channels, inner = dims if per_channel else (one, one, one)  # unused without channels
     c_workers = T.max(T.int64(1), T.min(T.int64(workers), outer))
     c_span = (outer + c_workers - 1) // c_workers
     c0 = HEADER + bins
@@ -340,7 +348,7 @@ def stats_kernel(
                 out[k] = zero
             if bins > 0 and out[1] + out[2] < out[0]:  # some finite value to count
                 histogram(flat, out)
-            if channel_axis is not None:
+            if per_channel:
                 channel_ranges(flat, out)
 
     return kernel

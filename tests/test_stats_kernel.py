@@ -11,16 +11,15 @@ import tvm
 
 from profiler.schedules import host_target
 from profiler.statistics import TensorStats
-from profiler.stats_kernel import decode, output_length, stats_kernel
+from profiler.stats_kernel import decode, kernel_view, output_length, stats_kernel
 
 
 def _kernel_stats(x: np.ndarray, axis: int | None, bins: int, recorded_axis: int | None):
-    kernel = stats_kernel(x.ndim, str(x.dtype), axis, bins, os.cpu_count() or 1)
-    lib = tvm.compile(
-        tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), host_target()
-    )
+    kernel = stats_kernel(str(x.dtype), axis is not None, bins, os.cpu_count() or 1)
+    module = tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")})
+    lib = tvm.compile(module, host_target())
     out = tvm.runtime.tensor(np.zeros(output_length(x.shape, axis, bins)))
-    lib["main"](tvm.runtime.tensor(x), out)
+    lib["main"](tvm.runtime.tensor(x.reshape(kernel_view(x.shape, axis))), out)
     return decode(out.numpy(), bins, recorded_axis)
 
 

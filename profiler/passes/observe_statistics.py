@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, topi
 
-from profiler.stats_kernel import kernel_name, output_length, stats_kernel
+from profiler.stats_kernel import kernel_name, kernel_view, output_length, stats_kernel
 
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _MULTIPLY = tvm.ir.Op.get("relax.multiply")
@@ -111,10 +111,12 @@ class ObserveStatistics:
         ty = var.ty
         shape = tuple(int(d) for d in ty.shape.values)
         dtype = str(ty.dtype)
-        kernel = stats_kernel(len(shape), dtype, axis, self.bins, self.workers)
-        gvar = bb.add_func(kernel, kernel_name(len(shape), dtype, axis, self.bins))
+        per_channel = axis is not None
+        kernel = stats_kernel(dtype, per_channel, self.bins, self.workers)
+        gvar = bb.add_func(kernel, kernel_name(dtype, per_channel, self.bins))
+        view = bb.emit(relax.op.memory.view(var, relax.ShapeExpr(kernel_view(shape, axis))))
         out = relax.TensorType((output_length(shape, axis, self.bins),), "float64")
-        return bb.emit(relax.call_tir(gvar, relax.Tuple([var]), out_ty=out))
+        return bb.emit(relax.call_tir(gvar, relax.Tuple([view]), out_ty=out))
 
 
 def _source(var: relax.Var, axis: int | None, values: dict) -> tuple[relax.Var, int | None]:
