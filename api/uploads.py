@@ -53,7 +53,6 @@ class ModelAnalysis:
 
     name: str
     data: bytes
-    sha256: str
     opset: int
     input_shapes: dict[str, list[int]]  # as given
     inputs: list[dict]  # as loaded: {name, shape, dtype}
@@ -76,7 +75,6 @@ def analyse_model(data: bytes, filename: str | None, shapes_text: str | None) ->
     return ModelAnalysis(
         name=name,
         data=data,
-        sha256=loaded.sha256,
         opset=loaded.opset,
         input_shapes={k: list(v) for k, v in shapes.items()},
         inputs=[
