@@ -358,31 +358,30 @@ def decode(vector: np.ndarray, bins: int, channel_axis: int | None) -> TensorSta
     """The :class:`TensorStats` in a kernel's output vector (``bins`` as the kernel counted);
     per-channel ranges, when the kernel computed them, are recorded under ``channel_axis``, the
     axis in the initial IR's layout."""
-    count, nans, infs = (int(v) for v in vector[:3])
+    head = vector[:HEADER].tolist()  # Python floats: cheaper than numpy scalars one by one
+    count, nans, infs = int(head[0]), int(head[1]), int(head[2])
     if nans + infs == count:
         return TensorStats(count=count, nan_count=nans, inf_count=infs)
     histogram = None
     if bins:
-        exponent, offset, length = (int(v) for v in vector[7:10])
+        exponent, offset, length = int(head[7]), int(head[8]), int(head[9])
         counts = vector[HEADER : HEADER + length].astype(np.int64)
         histogram = Histogram(bins, exponent, offset, counts)
     per_channel = None
     channels = (len(vector) - HEADER - bins) // 2
     if channels:
-        lo = vector[HEADER + bins : HEADER + bins + channels]
-        hi = vector[HEADER + bins + channels :]
+        ranges = vector[HEADER + bins :].reshape(2, channels)
         # A channel without finite values keeps the kernel's infinite start: NaN here.
-        lo = np.where(np.isinf(lo), np.nan, lo)
-        hi = np.where(np.isinf(hi), np.nan, hi)
-        per_channel = ChannelRange(channel_axis, lo, hi)
+        ranges = np.where(np.isinf(ranges), np.nan, ranges)
+        per_channel = ChannelRange(channel_axis, ranges[0], ranges[1])
     return TensorStats(
         count=count,
         nan_count=nans,
         inf_count=infs,
-        min=float(vector[3]),
-        max=float(vector[4]),
-        sum=exact_units(vector[5]),
-        sum_sq=exact_units(vector[6]),
+        min=head[3],
+        max=head[4],
+        sum=exact_units(head[5]),
+        sum_sq=exact_units(head[6]),
         histogram=histogram,
         per_channel=per_channel,
     )
