@@ -50,6 +50,8 @@ HEADER = 10
 LANES = 16  # float32 lanes of two AVX2 (one AVX-512) registers
 CHUNK = 8192  # values per moments chunk: fixes the float64 summation order
 _PARALLEL_MIN = 32768  # below this many values one core is faster than waking the pool
+# a second worker's counts cost a merge pass of their own: worth it for larger tensors only
+_PARALLEL_HISTOGRAM = _PARALLEL_MIN
 _BLOCK = 1024  # histogram values whose bin indices are computed in one vector loop
 _SPREAD = 4  # copies of the counts per worker: runs of equal values (ReLU zeros) interleave
 _ROWS = 32  # rows per block of the per-channel reduction
@@ -194,6 +196,7 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
 
     # --- 2 and 3. canonical exponent, histogram ------------------------------------------------
     blocks = n // _BLOCK
+    padded = (bins // LANES + 1) * LANES  # bins, then the non-finite column, in whole vectors
 
     def exponent_bits(x):
         """``frexp(x)[1] + 1022``: the biased exponent field of a normal float64."""
@@ -213,8 +216,9 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
     def count_bins(flat, counts, scale, offset, loop, count_workers):
         for w in loop(count_workers):
             index = T.alloc_buffer((_BLOCK,), "int32")
-            for k, b in T.grid(_SPREAD, bins + 1):
-                counts[w, k, b] = 0
+            for k, b0 in T.grid(_SPREAD, padded // LANES):
+                for lane in T.vectorized(LANES):
+                    counts[w, k, b0 * LANES + lane] = 0
             per_worker = (blocks + count_workers - 1) // count_workers
             for blk in range(w * per_worker, T.min(blocks, (w + 1) * per_worker)):
                 for j0 in range(_BLOCK // LANES):
@@ -247,15 +251,24 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
         out[7] = T.Cast("float64", e[0])
         out[8] = offset
         out[9] = T.floor(out[4] * scale) - offset + T.float64(1)
-        counts = T.alloc_buffer((workers, _SPREAD, bins + 1), "int32")
-        if n >= _PARALLEL_MIN:
+        counts = T.alloc_buffer((workers, _SPREAD, padded), "int32")
+        if n >= _PARALLEL_HISTOGRAM:
             count_bins(flat, counts, scale, offset, T.parallel, workers)
         else:
             count_bins(flat, counts, scale, offset, T.serial, 1)
         for i in range(blocks * _BLOCK, n):
             counts[0, 0, bin_of(flat, i, scale, offset)] += 1
-        for w, k, b in T.grid(T.if_then_else(n >= _PARALLEL_MIN, workers, 1), _SPREAD, bins):
-            out[HEADER + b] = out[HEADER + b] + T.Cast("float64", counts[w, k, b])
+        # the copies summed a vector of bins at a time (the last column holds non-finite values)
+        total = T.alloc_buffer((LANES,), "int32")
+        for b0 in range(padded // LANES):
+            for lane in T.vectorized(LANES):
+                total[lane] = 0
+            for w, k in T.grid(T.if_then_else(n >= _PARALLEL_HISTOGRAM, workers, 1), _SPREAD):
+                for lane in T.vectorized(LANES):
+                    total[lane] = total[lane] + counts[w, k, b0 * LANES + lane]
+            for lane in range(LANES):
+                if b0 * LANES + lane < bins:
+                    out[HEADER + b0 * LANES + lane] = T.Cast("float64", total[lane])
 
     # --- 4. per-channel ranges over the [outer, C, inner] view, workers over `outer` ----------
     one = tirx.const(1, "int64")
