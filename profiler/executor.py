@@ -20,7 +20,6 @@ once, by a second function of the same program.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +28,7 @@ from tvm import relax
 
 from .bindings import function_bindings, used_vars
 from .passes.observe_statistics import ObservedOutputs, ObserveStatistics
-from .schedules import build
+from .schedules import build, host_target
 from .spans import ids_of
 from .statistics import DEFAULT_BINS, TensorStats
 from .stats_kernel import decode
@@ -147,7 +146,9 @@ def compile_program(
     functions = {"main": ObservedOutputs(1, tuple(o.channel_axis for o in inst.observed))}
     if inst.static:
         functions[STATIC] = ObservedOutputs(0, tuple(o.channel_axis for o in inst.static))
-    observe = ObserveStatistics(functions, bins, os.cpu_count() or 1)
+    target = target or host_target()
+    workers = int(target.attrs.get("num-cores", 1))  # the cores the program is built for
+    observe = ObserveStatistics(functions, bins, workers)
     executable = build(inst.mod, target, fold_scales=False, layout_passes=[observe])
     vm = relax.VirtualMachine(executable, tvm.cpu())
     program = ProfilingProgram(vm, input_names, inst.observed, {}, bins)

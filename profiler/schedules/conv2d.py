@@ -33,7 +33,14 @@ import numpy as np
 import tvm
 from tvm import relax, s_tir, te, topi
 
-from .elementwise import VECTOR, extent, inline_epilogue, largest_divisor, schedule_spatial
+from .elementwise import (
+    VECTOR,
+    extent,
+    inline_epilogue,
+    largest_divisor,
+    schedule_spatial,
+    unroll_vectorize_tile,
+)
 from .isa import VectorUnit, vector_unit
 
 CONV = "conv2d_nhwc_packed"
@@ -56,13 +63,12 @@ def register_tile(width: int, out_channels: int, unit: VectorUnit) -> tuple[int,
     for ob in (2 * unit.lanes, unit.lanes, unit.lanes // 2):
         if out_channels % ob:
             continue
-        vectors = math.ceil(ob / unit.lanes)
-        tile = largest_divisor(width, unit.accumulators // vectors)
-        best = max(best, (tile * vectors, ob, tile))
+        tile = unit.tile(width, ob)
+        best = max(best, (tile * math.ceil(ob / unit.lanes), ob, tile))
     if best[1]:
         return best[1], best[2]
     ob = largest_divisor(out_channels, unit.lanes)
-    return ob, largest_divisor(width, unit.accumulators)
+    return ob, unit.tile(width, ob)
 
 
 def _pad(data: te.Tensor, padding) -> te.Tensor:
@@ -160,21 +166,12 @@ def _schedule_pad(sch: s_tir.Schedule) -> None:
         schedule_spatial(sch, pad)
 
 
-def _register_tile(sch, init, out) -> None:
-    """Unrolled pixels × vectorised channels for the accumulator init and the epilogue."""
-    for block in (init, out):
-        *_, xi, oi = sch.get_loops(block)
-        sch.unroll(xi)
-        sch.vectorize(oi)
-
-
 def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     """``n, o/ob, y/Y | ci/R, Y, x/T, ky, kx, R, T, ob``: rows of accumulators, L1 weights."""
     n, y, x, o, ry, rx, rc = sch.get_loops(conv)
     ob = int(sch.get(conv).reads[1].source.ty.shape[-1])
     width = extent(sch, x)
-    unit = vector_unit()
-    tile = largest_divisor(width, unit.accumulators // math.ceil(ob / unit.lanes))
+    tile = vector_unit().tile(width, ob)
     rows = largest_divisor(extent(sch, y), max(1, _ACCUMULATOR_BYTES // (width * ob * 4)))
     taps = extent(sch, ry) * extent(sch, rx)
     chunk = largest_divisor(extent(sch, rc), max(1, _WEIGHT_BYTES // (taps * ob * 4)))
@@ -192,16 +189,15 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     sch.unroll(xi)
     sch.vectorize(oi)
     init = sch.decompose_reduction(conv, rco)
-    _register_tile(sch, init, out)
+    unroll_vectorize_tile(sch, init, out)
 
 
 def _schedule_depthwise(sch: s_tir.Schedule, conv) -> None:
     """``n, c/ob, y, x/T | ky, kx, T, ob`` with the taps unrolled: a ``T × ob`` register tile."""
     n, y, x, o, ry, rx = sch.get_loops(conv)
     channels = extent(sch, o)
-    unit = vector_unit()
     ob = VECTOR if channels % VECTOR == 0 else largest_divisor(channels, 2 * VECTOR)
-    tile = largest_divisor(extent(sch, x), unit.accumulators // math.ceil(ob / unit.lanes))
+    tile = vector_unit().tile(extent(sch, x), ob)
 
     out = inline_epilogue(sch, conv, keep=(PAD,))
     xo, xi = sch.split(x, [None, tile])
@@ -214,7 +210,7 @@ def _schedule_depthwise(sch: s_tir.Schedule, conv) -> None:
         sch.unroll(loop)
     sch.vectorize(oi)
     init = sch.decompose_reduction(conv, ry)
-    _register_tile(sch, init, out)
+    unroll_vectorize_tile(sch, init, out)
 
 
 def schedule_conv2d(sch: s_tir.Schedule) -> bool:

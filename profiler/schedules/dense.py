@@ -18,13 +18,11 @@ Schedule (both kinds, loops ``batch…, m, n, k``):
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import tvm
 from tvm import relax, s_tir, te
 
-from .elementwise import extent, inline_epilogue, largest_divisor
+from .elementwise import extent, inline_epilogue, largest_divisor, unroll_vectorize_tile
 from .isa import VectorUnit, vector_unit
 
 DENSE = "dense_packed"
@@ -87,7 +85,7 @@ def schedule_dense(sch: s_tir.Schedule) -> bool:
         # The weights are shared by every row: all leading axes form one M (a [128, 1, K]
         # activation is 128 rows, not 128 batches of one).
         m, batch = sch.fuse(*batch, m), []
-    rows = largest_divisor(extent(sch, m), unit.accumulators // math.ceil(nb / unit.lanes))
+    rows = unit.tile(extent(sch, m), nb)
 
     out = inline_epilogue(sch, block)
     mo, mi = sch.split(m, [None, rows])
@@ -100,8 +98,5 @@ def schedule_dense(sch: s_tir.Schedule) -> bool:
     sch.unroll(mi)
     sch.vectorize(ni)
     init = sch.decompose_reduction(block, k)
-    for tile in (init, out):
-        *_, mi, ni = sch.get_loops(tile)
-        sch.unroll(mi)
-        sch.vectorize(ni)
+    unroll_vectorize_tile(sch, init, out)
     return True

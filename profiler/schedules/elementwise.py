@@ -78,6 +78,15 @@ def inline_epilogue(sch: s_tir.Schedule, block, keep=()):
     return consumers[0]
 
 
+def unroll_vectorize_tile(sch: s_tir.Schedule, *blocks) -> None:
+    """Register tiles outside the reduction (accumulator init, epilogue): the tile's rows
+    unrolled, its vector of lanes vectorised (the blocks' last two loops)."""
+    for block in blocks:
+        *_, rows, lanes = sch.get_loops(block)
+        sch.unroll(rows)
+        sch.vectorize(lanes)
+
+
 def schedule_spatial(sch: s_tir.Schedule, block) -> None:
     """``parallel`` outer × vectorised inner over the fused loops of a spatial block."""
     loops = sch.get_loops(block)

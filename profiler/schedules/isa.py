@@ -8,9 +8,12 @@ the current one), and legalizations pack weights for the same unit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import tvm
+
+from .elementwise import largest_divisor
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,11 @@ class VectorUnit:
     def accumulators(self) -> int:
         """Registers a register tile may hold; the rest feed the FMAs (weights, broadcasts)."""
         return self.registers * 3 // 4
+
+    def tile(self, extent: int, block: int) -> int:
+        """Rows of a ``rows × block`` register tile: the largest divisor of ``extent`` whose
+        rows of ``block`` float32 lanes fit the accumulators (a divisor: no tail predicate)."""
+        return largest_divisor(extent, self.accumulators // math.ceil(block / self.lanes))
 
 
 _AVX512 = VectorUnit(16, 32)
