@@ -1,7 +1,7 @@
 """The FastAPI application: ``create_app(db_url, ...)`` wires the database, the blob store, the
 size limits and (unless ``jobs=0``) the in-process worker, and turns every user error into a 4xx
 response with a one-line JSON ``detail``. OpenAPI is served at ``/openapi.json``, docs at
-``/docs``.
+``/docs``, the web dashboard at ``/dashboard/``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse
 
 from profiler.errors import RangeprofError
 
-from . import routes_models, routes_runs
+from . import routes_builds, routes_evaluations, routes_layers, routes_models, routes_runs
 from .context import Service
+from .dashboard import routes as dashboard
 from .jobs import Worker
 from .limits import DEFAULT_LIMITS, BodyLimit, Limits
 from .migrate import open_database
@@ -83,4 +84,8 @@ def create_app(
 
     app.include_router(routes_models.router, responses=_ERRORS)
     app.include_router(routes_runs.router, responses=_ERRORS)
+    app.include_router(routes_layers.router, responses=_ERRORS)
+    app.include_router(routes_evaluations.router, responses=_ERRORS)
+    app.include_router(routes_builds.router, responses=_ERRORS)
+    dashboard.mount(app)
     return app

@@ -1,5 +1,6 @@
-"""Rows and blobs together: adding a model or a run stores its file and its rows, or neither;
-deleting a model removes its rows and every blob no row refers to any more.
+"""Rows and blobs together: adding a model, a run or an evaluation stores its files and its rows,
+or neither, and so does finishing a build with its artifact; deleting a model removes its rows
+and every blob no row refers to any more.
 
 A process-wide lock orders blob writes and deletions against the transactions that refer to
 them, so a delete never removes a blob that a concurrent upload of the same bytes is about to
@@ -9,17 +10,20 @@ use.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy import exists, select
+from sqlalchemy import exists, or_, select
+from sqlalchemy.orm import Session
 
 from .db import Database
-from .models import Layer, Model, Run
+from .models import Build, Evaluation, Layer, Model, Run
 from .storage import BlobStore
 from .uploads import ModelAnalysis
 
 MODEL_SUFFIX = ".onnx"
 DATA_SUFFIX = ".npz"
+ARTIFACT_SUFFIX = ".zip"
 _LOCK = threading.Lock()
 
 
@@ -63,6 +67,42 @@ def add_run(db: Database, store: BlobStore, run: Run, staged: Path | None) -> in
             raise
 
 
+def add_evaluation(
+    db: Database, store: BlobStore, evaluation: Evaluation, staged: dict[str, Path]
+) -> int:
+    """Queue ``evaluation``; ``staged`` maps the sha256 of each checked .npz it refers to (data,
+    labels) to its file."""
+    with _LOCK:
+        created = [sha for sha, path in staged.items() if store.adopt(path, sha, DATA_SUFFIX)]
+        try:
+            with db.session() as session:
+                session.add(evaluation)
+                session.flush()
+                return evaluation.id
+        except BaseException:
+            for sha256 in created:
+                store.remove(sha256, DATA_SUFFIX)
+            raise
+
+
+def add_artifact(
+    db: Database, store: BlobStore, staged: Path, sha256: str, finish: Callable[[Session], bool]
+) -> bool:
+    """Store a build's zipped artifact and mark the build done with ``finish``, which is false
+    when the build is gone (its model deleted meanwhile): then the blob is not kept."""
+    with _LOCK:
+        created = store.adopt(staged, sha256, ARTIFACT_SUFFIX)
+        kept = False
+        try:
+            with db.session() as session:
+                found = finish(session)
+            kept = found  # and committed
+        finally:
+            if created and not kept:
+                store.remove(sha256, ARTIFACT_SUFFIX)
+    return kept
+
+
 def delete_model(db: Database, store: BlobStore, owner_id: int, model_id: int) -> bool:
     """Delete a model of ``owner_id``; ``False`` if there is none."""
     with _LOCK:
@@ -71,9 +111,15 @@ def delete_model(db: Database, store: BlobStore, owner_id: int, model_id: int) -
             if model is None or model.owner_id != owner_id:
                 return False
             blobs = {(model.sha256, MODEL_SUFFIX)}
-            data = select(Run.data_sha256).where(Run.model_id == model_id)
-            blobs |= {(sha, DATA_SUFFIX) for sha in session.scalars(data) if sha}
-            session.delete(model)  # layers, runs, statistics, qparams, builds cascade
+            runs = select(Run.id).where(Run.model_id == model_id)
+            shas = set(session.scalars(select(Run.data_sha256).where(Run.id.in_(runs))))
+            for column in (Evaluation.data_sha256, Evaluation.labels_sha256):
+                shas |= set(session.scalars(select(column).where(Evaluation.run_id.in_(runs))))
+            blobs |= {(sha, DATA_SUFFIX) for sha in shas if sha}
+            artifacts = select(Build.artifact_sha256).where(Build.model_id == model_id)
+            blobs |= {(sha, ARTIFACT_SUFFIX) for sha in session.scalars(artifacts) if sha}
+            # layers, runs, statistics, qparams, builds, evaluations cascade
+            session.delete(model)
         with db.session() as session:
             for sha256, suffix in blobs:
                 if not _referenced(session, sha256, suffix):
@@ -82,5 +128,12 @@ def delete_model(db: Database, store: BlobStore, owner_id: int, model_id: int) -
 
 
 def _referenced(session, sha256: str, suffix: str) -> bool:
-    column = Model.sha256 if suffix == MODEL_SUFFIX else Run.data_sha256
-    return session.scalar(select(exists().where(column == sha256)))
+    if suffix == MODEL_SUFFIX:
+        return session.scalar(select(exists().where(Model.sha256 == sha256)))
+    if suffix == ARTIFACT_SUFFIX:
+        return session.scalar(select(exists().where(Build.artifact_sha256 == sha256)))
+    # .npz blobs: calibration data of runs, evaluation data and labels.
+    evaluation = or_(Evaluation.data_sha256 == sha256, Evaluation.labels_sha256 == sha256)
+    return session.scalar(select(exists().where(Run.data_sha256 == sha256))) or session.scalar(
+        select(exists().where(evaluation))
+    )

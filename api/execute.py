@@ -1,17 +1,21 @@
-"""The profiling process: each run executes ``profile_model`` in a child process of its worker
-(``python -m api.execute``).
+"""The job process: each run executes ``profile_model``, each evaluation ``evaluate`` and each
+build ``build_artifact`` of :mod:`byoc_plugins`, in a child process of its worker (``python -m
+api.execute``).
 
-Why a process per run: runs stay isolated from each other and from the server — onnxsim and the
+Why a process per job: jobs stay isolated from each other and from the server — onnxsim and the
 build cache's stderr muting touch process-wide state, TVM sizes its thread pool per process, a
-crash or an out-of-memory kill takes one run down and not the server, and a run can be stopped.
+crash or an out-of-memory kill takes one job down and not the server, and a job can be stopped.
 A fresh interpreter costs the imports (about 3 s), small beside a profiling run.
 
 The child runs in a folder that holds the model and the data under their upload names, so the
 document says ``digits_cnn`` and ``calib.npz:calib`` just as a CLI run on those files would.
 It reads its :class:`Job` as one JSON line on stdin and answers with JSON lines on stdout:
-``{"progress": [done, total]}`` as it goes, then ``{"done": document}`` or ``{"failed":
-message}``; anything else it prints goes to stderr. Stdin stays open as a lifeline: when the
-worker dies, the child reads end-of-file and exits, so no run outlives its worker.
+``{"progress": [done, total]}`` as it goes (evaluations and builds add ``"phase"``: compiling
+which program, or evaluating; quantizing, compiling, packing), then ``{"done": result}`` (the
+profile document, the evaluation report of ``rangeprof evaluate --json``, or the build's
+manifest and its zipped artifact in the folder) or ``{"failed": message}``; anything else it prints
+goes to stderr. Stdin stays open as a lifeline: when the worker dies, the child reads
+end-of-file and exits, so no job outlives its worker.
 """
 
 from __future__ import annotations
@@ -22,16 +26,24 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+PROFILE, EVALUATE, BUILD = "profile", "evaluate", "build"
+ARTIFACT = "artifact.zip"  # a build's model.so and manifest.json, in the child's folder
 
 
 @dataclass(frozen=True)
 class Job:
+    task: str  # PROFILE, EVALUATE or BUILD
     model_file: str  # "<name>.onnx", in the child's folder
-    data: str  # the --data value, relative to that folder
+    data: str | None  # the --data value, relative to that folder (builds read none)
     input_shapes: dict[str, list[int]]
-    options: dict  # ProfileOptions fields
+    # PROFILE: ProfileOptions fields. EVALUATE: method, percentile, target, samples, labels
+    # ("FILE.npz:KEY" or None) and profile (the profile document's file). BUILD: target and
+    # either method, percentile and profile, or qparams (a QPARAMS document's file).
+    options: dict
 
 
 def start(job: Job, folder: Path) -> subprocess.Popen:
@@ -59,23 +71,98 @@ def _main() -> None:
         answers.flush()
 
     from profiler.errors import RangeprofError
-    from profiler.profiling import ProfileOptions, profile_model
 
     try:
-        doc = profile_model(
-            job.model_file,
-            job.data,
-            input_shapes={k: tuple(v) for k, v in job.input_shapes.items()},
-            options=ProfileOptions(**job.options),
-            progress=lambda done, total: answer(progress=[done, total]),
-        )
+        result = {PROFILE: _profile, EVALUATE: _evaluate, BUILD: _build}[job.task](job, answer)
     except RangeprofError as err:
         answer(failed=str(err))
     except Exception as err:  # our bug: keep the traceback in the worker's log
         traceback.print_exc()
         answer(failed=f"internal error: {type(err).__name__}: {err}")
     else:
-        answer(done=doc)
+        answer(done=result)
+
+
+def _shapes(job: Job) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v) for k, v in job.input_shapes.items()}
+
+
+def _profile(job: Job, answer: Callable[..., None]) -> dict:
+    from profiler.profiling import ProfileOptions, profile_model
+
+    return profile_model(
+        job.model_file,
+        job.data,
+        input_shapes=_shapes(job),
+        options=ProfileOptions(**job.options),
+        progress=lambda done, total: answer(progress=[done, total]),
+    )
+
+
+def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
+    """``rangeprof evaluate --profile P --method M --json`` for one method."""
+    import numpy as np
+
+    from byoc_plugins.evaluate import evaluate
+    from byoc_plugins.plugin import get_plugin
+    from byoc_plugins.quantized import qparams_from_profile, quantize_model
+
+    options = job.options
+    profile = json.loads(Path(options["profile"]).read_text())
+    plugin = get_plugin(options["target"])
+    qparams = qparams_from_profile(profile, plugin, options["method"], options["percentile"])
+    labels = None
+    if options["labels"]:  # checked when the evaluation was queued
+        path, key = options["labels"].split(":", 1)
+        with np.load(path, allow_pickle=False) as arrays:
+            labels = arrays[key]
+    result = evaluate(
+        quantize_model(job.model_file, qparams, plugin, _shapes(job)),
+        job.data,
+        labels,
+        options["samples"],
+        progress=lambda phase, done, total: answer(progress=[done, total], phase=phase),
+    )
+    return {"method": qparams["options"]["method"], "target": plugin.name, **result.to_json()}
+
+
+def _build(job: Job, answer: Callable[..., None]) -> dict:
+    """``rangeprof build --target T (--profile P --method M | --qparams Q)``, zipped."""
+    import hashlib
+    import time
+    import zipfile
+
+    from byoc_plugins.artifact import LIBRARY, MANIFEST, build_artifact
+    from byoc_plugins.plugin import get_plugin
+    from byoc_plugins.quantized import qparams_from_profile, quantize_model
+
+    options = job.options
+    plugin = get_plugin(options["target"])
+    start = time.perf_counter()
+    answer(progress=[0, 3], phase="quantizing")
+    if options.get("qparams"):
+        qparams = json.loads(Path(options["qparams"]).read_text())
+    else:
+        profile = json.loads(Path(options["profile"]).read_text())
+        qparams = qparams_from_profile(profile, plugin, options["method"], options["percentile"])
+    qm = quantize_model(job.model_file, qparams, plugin, _shapes(job))
+    quantized = time.perf_counter()
+    answer(progress=[1, 3], phase="compiling")
+    out = Path("artifact")
+    manifest = build_artifact(qm, out)
+    answer(progress=[2, 3], phase="packing")
+    with zipfile.ZipFile(ARTIFACT, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name in (LIBRARY, MANIFEST):
+            archive.write(out / name, name)
+    return {
+        "manifest": manifest,
+        "sha256": hashlib.sha256(Path(ARTIFACT).read_bytes()).hexdigest(),
+        "timings": {
+            "quantize_s": round(quantized - start, 3),
+            **manifest["timings"],
+            "total_s": round(time.perf_counter() - start, 3),
+        },
+    }
 
 
 def _exit_with_worker() -> None:

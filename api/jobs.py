@@ -1,16 +1,19 @@
-"""The worker: takes queued runs from the database and executes them off the request path.
+"""The worker: takes queued jobs from the database and executes them off the request path.
 
-It runs inside the server (``rangeprof serve``, ``--jobs`` slots) or on its own (``rangeprof
-worker``), any number of them on one database. Each slot thread claims a queued run with an
-atomic ``UPDATE ... WHERE status = 'queued'`` (two workers never get the same run), executes it
-in a child process (:mod:`api.execute`), writes its progress and a heartbeat to the run row at
-most every half second, and stores the profile when it is done.
+Jobs are profiling runs (``run`` rows), evaluations (``evaluation`` rows) and INT8 builds
+(``build`` rows), taken in that order.
+The worker runs inside the server (``rangeprof serve``, ``--jobs`` slots) or on its own
+(``rangeprof worker``), any number of them on one database. Each slot thread claims a queued job
+with an atomic ``UPDATE ... WHERE status = 'queued'`` (two workers never get the same job),
+executes it in a child process (:mod:`api.execute`), writes its progress and a heartbeat to the
+job's row at most every half second, and stores the result (the profile, the evaluation report,
+the build's artifact and manifest) when it is done.
 
-No run stays ``running`` forever. A worker starting up fails the runs it held before a crash
+No job stays ``running`` forever. A worker starting up fails the jobs it held before a crash
 (its name is the same: ``serve@HOST:PORT`` for the server's own worker) with "server stopped
-while the run was running", and every worker fails runs whose heartbeat is older than
-``stale_after_s`` (their worker is gone). Stopping a worker stops its runs the same way. A
-worker whose run was deleted, or failed by another worker meanwhile, stops the child.
+while the run was running", and every worker fails jobs whose heartbeat is older than
+``stale_after_s`` (their worker is gone). Stopping a worker stops its jobs the same way. A
+worker whose job was deleted, or failed by another worker meanwhile, stops the child.
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ from pathlib import Path
 
 from sqlalchemy import select, update
 
-from . import execute
-from .catalog import DATA_SUFFIX, MODEL_SUFFIX
+from . import catalog, execute
+from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
 from .db import Database
-from .documents import store_profile
+from .documents import load_profile, store_profile
 from .migrate import open_database
-from .models import Model, Run, utcnow
+from .models import Build, Evaluation, Model, QParamsSet, Run, utcnow
 from .storage import BlobStore, storage_root
 from .uploads import data_spec
 
 STOPPED = "server stopped while the run was running"
 _WRITE_EVERY_S = 0.5
+# What a worker executes, in the order it looks for queued jobs.
+Table = type[Run] | type[Evaluation] | type[Build]
+_TABLES: tuple[Table, ...] = (Run, Evaluation, Build)
+_PROCESS = {Run: "profiling", Evaluation: "evaluation", Build: "build"}
 log = logging.getLogger("rangeprof.worker")
 
 
@@ -48,7 +55,7 @@ def default_name() -> str:
 
 
 class _Lost(Exception):
-    """The run is no longer ours (deleted, or failed by another worker)."""
+    """The job is no longer ours (deleted, or failed by another worker)."""
 
 
 class Worker:
@@ -80,11 +87,11 @@ class Worker:
             self._threads.append(thread)
 
     def wake(self) -> None:
-        """A run was queued: look now rather than at the next poll."""
+        """A job was queued: look now rather than at the next poll."""
         self._wake.set()
 
     def stop(self) -> None:
-        """Stop every slot; runs in progress are failed with :data:`STOPPED`."""
+        """Stop every slot; jobs in progress are failed with :data:`STOPPED`."""
         self._stopping.set()
         self._wake.set()
         for thread in self._threads:
@@ -92,41 +99,50 @@ class Worker:
         self._threads.clear()
 
     def recover(self, own: bool = False) -> int:
-        """Fail runs whose worker is gone; with ``own``, also those this worker held before."""
+        """Fail jobs whose worker is gone; with ``own``, also those this worker held before."""
         now = utcnow()
         self._last_recovery = time.monotonic()
-        stale = Run.heartbeat_at < now - timedelta(seconds=self.stale_after_s)
-        reasons = [(stale, f"its worker sent no heartbeat for {self.stale_after_s:g} s")]
-        if own:
-            reasons.insert(0, (Run.worker == self.name, STOPPED))
         failed = []
         with self.db.session() as session:
-            for gone, reason in reasons:
-                failed += session.scalars(
-                    update(Run)
-                    .where(Run.status == "running", gone)
-                    .values(status="failed", error=reason, finished_at=now)
-                    .returning(Run.id)
-                ).all()
-        for run_id in failed:
-            log.warning("run %s failed: its worker is gone", run_id)
+            for table in _TABLES:
+                stale = table.heartbeat_at < now - timedelta(seconds=self.stale_after_s)
+                reasons = [(stale, f"its worker sent no heartbeat for {self.stale_after_s:g} s")]
+                if own:
+                    reasons.insert(0, (table.worker == self.name, STOPPED))
+                for gone, reason in reasons:
+                    ids = session.scalars(
+                        update(table)
+                        .where(table.status == "running", gone)
+                        .values(status="failed", error=reason, finished_at=now)
+                        .returning(table.id)
+                    ).all()
+                    failed += [(table.__tablename__, job_id) for job_id in ids]
+        for kind, job_id in failed:
+            log.warning("%s %s failed: its worker is gone", kind, job_id)
         return len(failed)
 
-    def claim(self) -> int | None:
-        """Take the oldest queued run; ``None`` when there is none."""
+    def claim(self, table: Table = Run) -> int | None:
+        """Take the oldest queued job of ``table``; ``None`` when there is none."""
         with self.db.session() as session:
-            queued = select(Run.id).where(Run.status == "queued").order_by(Run.id).limit(8)
+            queued = select(table.id).where(table.status == "queued").order_by(table.id).limit(8)
             candidates = list(session.scalars(queued))
-        for run_id in candidates:
+        for job_id in candidates:
             now = utcnow()
             with self.db.session() as session:
                 taken = session.execute(
-                    update(Run)
-                    .where(Run.id == run_id, Run.status == "queued")
+                    update(table)
+                    .where(table.id == job_id, table.status == "queued")
                     .values(status="running", worker=self.name, started_at=now, heartbeat_at=now)
                 ).rowcount
             if taken:
-                return run_id
+                return job_id
+        return None
+
+    def _next(self) -> tuple[Table, int] | None:
+        for table in _TABLES:
+            job_id = self.claim(table)
+            if job_id is not None:
+                return table, job_id
         return None
 
     def _slot(self) -> None:
@@ -134,43 +150,52 @@ class Worker:
             try:
                 if time.monotonic() - self._last_recovery > self.heartbeat_s:
                     self.recover()
-                run_id = self.claim()
-                if run_id is None:
+                job = self._next()
+                if job is None:
                     self._wake.wait(self.poll_s)
                     self._wake.clear()
                     continue
-                self._execute(run_id)
+                self._execute(*job)
             except Exception:  # a database hiccup must not end the slot
                 log.exception("worker slot error")
                 self._stopping.wait(self.poll_s)
 
-    def _execute(self, run_id: int) -> None:
-        log.info("run %s started", run_id)
+    def _execute(self, table: Table, job_id: int) -> None:
+        kind = table.__tablename__
+        log.info("%s %s started", kind, job_id)
+        prepare = {Run: self._run_job, Evaluation: self._eval_job, Build: self._build_job}[table]
         try:
             with self.store.scratch() as folder:
-                child = execute.start(self._job(run_id, folder), folder)
-                outcome = self._supervise(run_id, child)
+                child = execute.start(prepare(job_id, folder), folder)
+                outcome = self._supervise(table, job_id, child)
+                if "done" in outcome:  # stored from the folder: a build's artifact is there
+                    self._store(table, job_id, outcome["done"], folder)
+                    return
         except _Lost:
-            log.info("run %s was deleted or taken over; stopped", run_id)
+            log.info("%s %s was deleted or taken over; stopped", kind, job_id)
             return
         except Exception as err:
-            log.exception("run %s", run_id)
+            log.exception("%s %s", kind, job_id)
             outcome = {"failed": f"internal error: {type(err).__name__}: {err}"}
-        if "done" in outcome:
-            self._store(run_id, outcome["done"])
-        else:
-            self._fail(run_id, outcome["failed"])
+        self._fail(table, job_id, outcome["failed"])
 
-    def _job(self, run_id: int, folder: Path) -> execute.Job:
+    def _link_model(self, model: Model, folder: Path) -> str:
+        model_file = f"{model.name}{MODEL_SUFFIX}"
+        (folder / model_file).symlink_to(self.store.path(model.sha256, MODEL_SUFFIX))
+        return model_file
+
+    def _link_data(self, folder: Path, name: str | None, sha256: str | None) -> None:
+        if sha256:
+            (folder / name).symlink_to(self.store.path(sha256, DATA_SUFFIX))
+
+    def _run_job(self, run_id: int, folder: Path) -> execute.Job:
         with self.db.session() as session:
             run = session.get(Run, run_id)
             model = session.get(Model, run.model_id)
-        model_file = f"{model.name}{MODEL_SUFFIX}"
-        (folder / model_file).symlink_to(self.store.path(model.sha256, MODEL_SUFFIX))
-        if run.data_sha256:
-            (folder / run.data_name).symlink_to(self.store.path(run.data_sha256, DATA_SUFFIX))
+        self._link_data(folder, run.data_name, run.data_sha256)
         return execute.Job(
-            model_file=model_file,
+            task=execute.PROFILE,
+            model_file=self._link_model(model, folder),
             data=data_spec(run.data_name, run.data_key),
             input_shapes=model.input_shapes,
             options={
@@ -181,8 +206,60 @@ class Worker:
             },
         )
 
-    def _supervise(self, run_id: int, child: subprocess.Popen) -> dict:
-        """Relay the child's progress to the run row until it answers, dies or is stopped."""
+    def _eval_job(self, evaluation_id: int, folder: Path) -> execute.Job:
+        with self.db.session() as session:
+            evaluation = session.get(Evaluation, evaluation_id)
+            run = session.get(Run, evaluation.run_id)
+            model = session.get(Model, run.model_id)
+            profile = load_profile(session, run)
+        # Labels first: when data and labels are one file, both links would have its name.
+        self._link_data(folder, evaluation.labels_name, evaluation.labels_sha256)
+        if evaluation.data_name != evaluation.labels_name:
+            self._link_data(folder, evaluation.data_name, evaluation.data_sha256)
+        (folder / "profile.json").write_text(json.dumps(profile))
+        labels = evaluation.labels_name and data_spec(evaluation.labels_name, evaluation.labels_key)
+        return execute.Job(
+            task=execute.EVALUATE,
+            model_file=self._link_model(model, folder),
+            data=data_spec(evaluation.data_name, evaluation.data_key),
+            input_shapes=model.input_shapes,
+            options={
+                "method": evaluation.method,
+                "percentile": evaluation.percentile,
+                "target": evaluation.target,
+                "samples": evaluation.samples,
+                "labels": labels,
+                "profile": "profile.json",
+            },
+        )
+
+    def _build_job(self, build_id: int, folder: Path) -> execute.Job:
+        with self.db.session() as session:
+            build = session.get(Build, build_id)
+            model = session.get(Model, build.model_id)
+            options = {"target": build.target}
+            if build.qparams_id is not None:
+                qparams = session.get(QParamsSet, build.qparams_id).document
+                (folder / "qparams.json").write_text(json.dumps(qparams))
+                options["qparams"] = "qparams.json"
+            else:
+                profile = load_profile(session, session.get(Run, build.run_id))
+                (folder / "profile.json").write_text(json.dumps(profile))
+                options |= {
+                    "method": build.method,
+                    "percentile": build.percentile,
+                    "profile": "profile.json",
+                }
+        return execute.Job(
+            task=execute.BUILD,
+            model_file=self._link_model(model, folder),
+            data=None,
+            input_shapes=model.input_shapes,
+            options=options,
+        )
+
+    def _supervise(self, table: Table, job_id: int, child: subprocess.Popen) -> dict:
+        """Relay the child's progress to the job's row until it answers, dies or is stopped."""
         answers: queue.Queue[dict | None] = queue.Queue()
 
         def read() -> None:
@@ -194,7 +271,7 @@ class Worker:
                 answers.put(None)  # end of answers: the child is gone
 
         threading.Thread(target=read, daemon=True).start()
-        progress, written, last_write = (0, None), None, 0.0
+        progress, written, last_write = {"progress": [0, None]}, None, 0.0
         try:
             while not self._stopping.is_set():
                 try:
@@ -203,16 +280,16 @@ class Worker:
                     answer = {}
                 if answer is None:
                     code = child.wait()
-                    return {"failed": f"the profiling process died (exit code {code})"}
+                    return {"failed": f"the {_PROCESS[table]} process died (exit code {code})"}
                 if "progress" in answer:
-                    progress = tuple(answer["progress"])
+                    progress = answer
                 elif answer:
                     return answer
                 # Progress at most every half second; otherwise a heartbeat now and then.
                 now = time.monotonic()
                 pause = _WRITE_EVERY_S if progress != written else self.heartbeat_s
                 if now - last_write >= pause:
-                    self._progress(run_id, *progress)
+                    self._progress(table, job_id, progress)
                     written, last_write = progress, now
             return {"failed": STOPPED}
         finally:
@@ -220,43 +297,80 @@ class Worker:
             child.wait()
             child.stdin.close()
 
-    def _mine(self, run_id: int):
-        return update(Run).where(Run.id == run_id, Run.status == "running", Run.worker == self.name)
+    def _mine(self, table: Table, job_id: int):
+        return update(table).where(
+            table.id == job_id, table.status == "running", table.worker == self.name
+        )
 
-    def _progress(self, run_id: int, done: int, total: int | None) -> None:
-        values = {"samples_done": done, "samples_total": total, "heartbeat_at": utcnow()}
+    def _progress(self, table: Table, job_id: int, answer: dict) -> None:
+        done, total = answer["progress"]
+        values = {"heartbeat_at": utcnow()}
+        if table is Run:
+            values |= {"samples_done": done, "samples_total": total}
+        else:
+            values["phase"] = answer.get("phase")
         if total:
             values["progress"] = done / total
         with self.db.session() as session:
-            if not session.execute(self._mine(run_id).values(**values)).rowcount:
+            if not session.execute(self._mine(table, job_id).values(**values)).rowcount:
                 raise _Lost
 
-    def _store(self, run_id: int, doc: dict) -> None:
+    def _store(self, table: Table, job_id: int, result: dict, folder: Path) -> None:
+        kind = table.__tablename__
+        if table is Build:
+            self._store_build(job_id, result, folder)
+            return
         with self.db.session() as session:
-            finished = self._mine(run_id).values(
-                status="done",
-                progress=1.0,
-                samples_done=doc["run"]["samples"],
-                samples_total=doc["run"]["samples"],
-                timings=doc["run"]["timings"],
-                finished_at=utcnow(),
-            )
-            if not session.execute(finished).rowcount:
-                log.info("run %s was deleted or taken over; result dropped", run_id)
+            finished = {"status": "done", "progress": 1.0, "finished_at": utcnow()}
+            if table is Run:
+                samples = result["run"]["samples"]
+                finished |= {
+                    "samples_done": samples,
+                    "samples_total": samples,
+                    "timings": result["run"]["timings"],
+                }
+            else:
+                finished |= {"phase": None, "report": result}
+            if not session.execute(self._mine(table, job_id).values(**finished)).rowcount:
+                log.info("%s %s was deleted or taken over; result dropped", kind, job_id)
                 return
-            store_profile(session, session.get(Run, run_id), doc)
-        log.info("run %s done", run_id)
+            if table is Run:
+                store_profile(session, session.get(Run, job_id), result)
+        log.info("%s %s done", kind, job_id)
 
-    def _fail(self, run_id: int, error: str) -> None:
+    def _store_build(self, build_id: int, result: dict, folder: Path) -> None:
+        sha256 = result["sha256"]
+        path = self.store.path(sha256, ARTIFACT_SUFFIX).relative_to(self.store.root)
+        finished = {
+            "status": "done",
+            "progress": 1.0,
+            "phase": None,
+            "finished_at": utcnow(),
+            "artifact_path": str(path),
+            "artifact_sha256": sha256,
+            "manifest": result["manifest"],
+            "timings": result["timings"],
+        }
+
+        def finish(session) -> bool:
+            return bool(session.execute(self._mine(Build, build_id).values(**finished)).rowcount)
+
+        staged = folder / execute.ARTIFACT
+        if catalog.add_artifact(self.db, self.store, staged, sha256, finish):
+            log.info("build %s done", build_id)
+        else:
+            log.info("build %s was deleted or taken over; result dropped", build_id)
+
+    def _fail(self, table: Table, job_id: int, error: str) -> None:
         with self.db.session() as session:
             session.execute(
-                self._mine(run_id).values(status="failed", error=error, finished_at=utcnow())
+                self._mine(table, job_id).values(status="failed", error=error, finished_at=utcnow())
             )
-        log.info("run %s failed: %s", run_id, error)
+        log.info("%s %s failed: %s", table.__tablename__, job_id, error)
 
 
 def run_worker(db_url: str | None, storage: str | None, *, jobs: int, name: str | None) -> None:
-    """``rangeprof worker``: execute queued runs until SIGINT or SIGTERM."""
+    """``rangeprof worker``: execute queued jobs until SIGINT or SIGTERM."""
     db = open_database(db_url)
     worker = Worker(db, BlobStore(storage_root(db.url, storage)), name=name, jobs=jobs)
     stop = threading.Event()

@@ -8,7 +8,10 @@
   error text, and the profile document minus its ``tensors``.
 * ``tensor_stat``: one row per profileID and run, the document's tensor entry.
 * ``qparams``: quantization-parameter sets derived from a run.
-* ``build``: compiled INT8 artifacts of a model (written by the build job).
+* ``build``: compiled INT8 artifacts of a run's ranges (``rangeprof build``), executed by the
+  worker like a run; the artifact is a .zip blob.
+* ``evaluation``: FP32 vs INT8 error of a run's ranges on data (``rangeprof evaluate``),
+  executed by the worker like a run, or uploaded as a ``rangeprof evaluate --json`` report.
 
 Timestamps are timezone-aware UTC on every backend.
 """
@@ -36,6 +39,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 RUN_STATUSES = ("queued", "running", "done", "failed")
 BUILD_STATUSES = RUN_STATUSES
 DATA_KINDS = ("npz", "random")
+# Targets whose INT8 code runs on this host, so their error can be measured here.
+EVALUATION_TARGETS = ("x86", "npu")
+EVALUATION_SOURCES = ("service", "report")
+# byoc_plugins.plugin.TARGETS, without importing TVM into the server.
+BUILD_TARGETS = ("x86", "aarch64", "npu")
 
 
 def utcnow() -> datetime:
@@ -198,8 +206,10 @@ class QParamsSet(Base):
 
 
 class Build(Base):
-    """An INT8 build of a model from a run's qparams: the artifact file (in the blob store,
-    by sha256) and how the build went."""
+    """An INT8 build of a model from a run's ranges (``rangeprof build``): with ``method`` and
+    ``percentile`` the target's policy derives the qparams from the run's profile, else the
+    stored ``qparams`` set is used. Executed by the worker like a run; the artifact (model.so
+    and manifest.json, zipped) is a blob at ``artifact_path`` under the store's root."""
 
     __tablename__ = "build"
     __table_args__ = (CheckConstraint(_in("status", BUILD_STATUSES), name="status"),)
@@ -209,11 +219,64 @@ class Build(Base):
     run_id: Mapped[int | None] = mapped_column(ForeignKey("run.id", ondelete="SET NULL"))
     qparams_id: Mapped[int | None] = mapped_column(ForeignKey("qparams.id", ondelete="SET NULL"))
     target: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16), default="queued")
+    method: Mapped[str | None] = mapped_column(String(16))  # null: built from ``qparams``
+    percentile: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
+    # Progress, written by the worker: steps done and the one under way.
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    phase: Mapped[str | None] = mapped_column(String(64))
+    worker: Mapped[str | None] = mapped_column(String(255))
+    heartbeat_at: Mapped[datetime | None]
     artifact_path: Mapped[str | None] = mapped_column(Text)
     artifact_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    manifest: Mapped[dict[str, Any] | None]  # the artifact's manifest.json
     timings: Mapped[dict[str, Any] | None]
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+
+    model: Mapped[Model] = relationship()
+
+
+class Evaluation(Base):
+    """How much INT8 costs with a run's ranges: per-layer isolated and accumulated SQNR on
+    evaluation data. ``source`` is ``service`` (queued, executed by the worker from the stored
+    data and labels blobs) or ``report`` (a ``rangeprof evaluate --json`` report uploaded as
+    is, done on arrival)."""
+
+    __tablename__ = "evaluation"
+    __table_args__ = (
+        CheckConstraint(_in("status", RUN_STATUSES), name="status"),
+        CheckConstraint(_in("source", EVALUATION_SOURCES), name="source"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    source: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
+    # Options of ``rangeprof evaluate``.
+    method: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(String(16))
+    percentile: Mapped[float | None] = mapped_column(Float)  # reports do not record it
+    samples: Mapped[int | None]
+    # Evaluation data and optional labels: uploaded .npz files (blobs), null for reports.
+    data_name: Mapped[str | None] = mapped_column(String(255))
+    data_key: Mapped[str | None] = mapped_column(Text)
+    data_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    labels_name: Mapped[str | None] = mapped_column(String(255))
+    labels_key: Mapped[str | None] = mapped_column(Text)
+    labels_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    # Progress, written by the worker: a share of the work and what is being done.
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    phase: Mapped[str | None] = mapped_column(String(64))
+    worker: Mapped[str | None] = mapped_column(String(255))
+    heartbeat_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    # ``rangeprof evaluate --json`` for this method and target.
+    report: Mapped[dict[str, Any] | None]
+
+    run: Mapped[Run] = relationship()

@@ -209,3 +209,217 @@ class DriftOut(BaseModel):
     tensors: list[TensorDrift] = Field(description="Tensors in both runs, in a's order.")
     only_in_a: list[str]
     only_in_b: list[str]
+
+
+# Layer table, tensor detail and lineage (what the dashboard reads)
+
+LayerSort = Literal["position", "profile_id", "kind", "op", "source_node", "min", "max"]
+
+
+class LayerQuery(BaseModel):
+    """Search, sort and page a model's layers, with a run's ranges and suggested scales."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: int | None = Field(None, description="A done run of the model: its min/max and scales.")
+    q: str | None = Field(
+        None, max_length=200, description="Case-insensitive substring of profileID, op or node."
+    )
+    sort: LayerSort = "position"
+    order: Literal["asc", "desc"] = "asc"
+    offset: int = Field(0, ge=0)
+    limit: int = Field(50, ge=1, le=500)
+    scheme: str = Field("sym", description=" | ".join(SCHEMES))
+    dtype: str = Field("int8", description=" | ".join(DTYPES))
+    percentile: float = Field(99.99, description="For method percentile.")
+
+
+class LayerRow(BaseModel):
+    position: int
+    profile_id: str
+    kind: str
+    op: str
+    source_node: str | None
+    source_op: str | None
+    shape: list[int] | None
+    dtype: str
+    min: float | None = Field(description="Of the run; null without a run or finite values.")
+    max: float | None
+    scales: dict[str, float] = Field(
+        description="Suggested per-tensor scale per calibration method (the query's scheme and "
+        "dtype), as `rangeprof calibrate` computes it; empty without a run."
+    )
+
+
+class LayerPage(BaseModel):
+    model_id: int
+    run_id: int | None
+    total: int = Field(description="Layers matching the search.")
+    offset: int
+    limit: int
+    rows: list[LayerRow]
+
+
+class TensorQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    profile_id: str
+    scheme: str = Field("sym", description=" | ".join(SCHEMES))
+    dtype: str = Field("int8", description=" | ".join(DTYPES))
+    percentile: float = Field(99.99, description="For method percentile.")
+
+
+class TensorOut(BaseModel):
+    run_id: int
+    model_id: int
+    entry: dict[str, Any] = Field(description="The profile's tensor entry (with the histogram).")
+    qparams: dict[str, dict[str, Any]] = Field(
+        description="Per calibration method, the per-tensor QPARAMS record (its `range` is the "
+        "clipping range)."
+    )
+
+
+class LineageBinding(BaseModel):
+    key: str = Field(description="`<function>/<var>` at that stage.")
+    function: str = Field(description="`main`, or the fused function / BYOC region holding it.")
+    layers: list[str] = Field(description="The initial profileIDs it derives from.")
+
+
+class LineageStage(BaseModel):
+    name: str
+    bindings: list[LineageBinding] = Field(description="The bindings the layer became.")
+    fate: str | None = Field(description="Why no binding carries it: folded_into:…, eliminated:…")
+
+
+class LineageOut(BaseModel):
+    model_id: int
+    profile_id: str
+    stages: list[LineageStage]
+
+
+# Evaluations
+
+
+class EvaluationRequest(BaseModel):
+    """multipart/form-data: evaluation data, optional labels and the options of ``rangeprof
+    evaluate``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: UploadFile = Field(description=".npz file, one array per input, [N, *sample_shape].")
+    key: str | None = Field(
+        None, description="Array(s) of the .npz to use, comma-separated in input order."
+    )
+    labels: UploadFile | None = Field(
+        None, description=".npz holding a 1-D integer array of labels (top-1 accuracy)."
+    )
+    labels_key: str | None = Field(
+        None, description="The labels' array: in `labels`, or without it in `data`."
+    )
+    method: str = Field("mse", description=" | ".join(METHODS))
+    percentile: float = Field(99.99, description="For method percentile.")
+    target: str = Field("x86", description="x86 | npu")
+    samples: int | None = Field(None, ge=1, description="Use at most this many samples.")
+
+
+class EvaluatedLayer(BaseModel):
+    profile_id: str
+    region: str
+    pattern: str
+    mode: str
+    isolated_sqnr_db: float | None = Field(description="null: exact (no error).")
+    accumulated_sqnr_db: float | None
+    isolated_rmse_per_scale: float
+    accumulated_rmse_per_scale: float
+
+
+class EvaluationReport(BaseModel):
+    """The object ``rangeprof evaluate --json`` prints."""
+
+    model_config = ConfigDict(extra="allow")
+
+    method: str
+    target: str
+    samples: int = Field(ge=1)
+    agreement: float
+    output_sqnr_db: float | None
+    fp32_top1: float | None = None
+    int8_top1: float | None = None
+    layers: list[EvaluatedLayer] = Field(description="Worst isolated SQNR first.")
+    kept_fp32: list[str] = []
+
+
+class NpzRef(BaseModel):
+    name: str
+    key: str | None
+    sha256: str
+
+
+class EvaluationSummary(BaseModel):
+    id: int
+    run_id: int
+    source: Literal["service", "report"] = Field(
+        description="Computed by the service, or an uploaded `rangeprof evaluate --json`."
+    )
+    status: RunStatus
+    progress: float = Field(ge=0, le=1, description="Share of the current phase done.")
+    phase: str | None = Field(description="compiling fp32 / int8 / shadow, evaluating.")
+    method: str
+    target: str
+    percentile: float | None = Field(description="null for uploaded reports.")
+    samples: int | None
+    data: NpzRef | None
+    labels: NpzRef | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None = Field(description="Why the evaluation failed.")
+    output_sqnr_db: float | None = Field(description="From the report, once done.")
+    agreement: float | None
+    int8_top1: float | None
+
+
+class EvaluationOut(EvaluationSummary):
+    report: dict[str, Any] | None = Field(description="`rangeprof evaluate --json`, once done.")
+
+
+# Builds
+
+
+class BuildRequest(BaseModel):
+    """The options of ``rangeprof build``: qparams derived from the run's profile with the
+    target's policy (``method``, ``percentile``), or a stored qparams set of the run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field("x86", description="x86 | aarch64 | npu")
+    method: str = Field("mse", description=" | ".join(METHODS))
+    percentile: float = Field(99.99, description="For method percentile.")
+    qparams_id: int | None = Field(
+        None, description="A stored qparams set of the run (`GET /api/runs/{id}/qparams`)."
+    )
+
+
+class BuildSummary(_Out):
+    id: int
+    model_id: int
+    run_id: int | None
+    qparams_id: int | None
+    target: str
+    method: str | None = Field(description="null when built from stored qparams.")
+    percentile: float | None
+    status: RunStatus
+    progress: float = Field(ge=0, le=1, description="Share of the steps done.")
+    phase: str | None = Field(description="quantizing, compiling, packing.")
+    artifact_sha256: str | None = Field(description="Of the zip, once done.")
+    timings: dict[str, Any] | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None = Field(description="Why the build failed.")
+
+
+class BuildOut(BuildSummary):
+    manifest: dict[str, Any] | None = Field(
+        description="The artifact's manifest.json (`rangeprof build`), once done."
+    )

@@ -7,8 +7,11 @@ profile`` would, against the model's inputs). Every problem is a
 from __future__ import annotations
 
 import threading
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+import numpy as np
 
 from profiler.data import RANDOM, InputSpec, open_data
 from profiler.errors import CalibrationDataError, InputShapeError, RangeprofError
@@ -95,9 +98,10 @@ def data_spec(filename: str | None, key: str | None) -> str:
 
 def check_data(
     folder: Path, spec: str, inputs: list[dict], *, samples: int | None, seed: int
-) -> None:
+) -> int:
     """Open ``spec`` (a file in ``folder``, or ``random``) for the model's inputs and read it
-    through, so that a bad file fails now and not in the middle of a run."""
+    through, so that a bad file fails now and not in the middle of a run; return the number of
+    samples it gives."""
     specs = [InputSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in inputs]
     where = str(folder) + "/"
     try:
@@ -113,3 +117,27 @@ def check_data(
                 pass
     except CalibrationDataError as err:
         raise CalibrationDataError(str(err).replace(where, "")) from None
+    return source.num_samples
+
+
+def check_labels(path: Path, name: str, key: str | None, samples: int) -> str:
+    """Check that the .npz at ``path`` (uploaded as ``name``) holds 1-D integer labels for
+    ``samples`` samples in array ``key`` (default: its only array); return the key."""
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            if key is None and len(arrays.files) != 1:
+                raise UploadError(
+                    f"{name} holds {len(arrays.files)} arrays ({', '.join(arrays.files)}): "
+                    "give the labels' array in field 'labels_key'"
+                )
+            key = key or arrays.files[0]
+            if key not in arrays.files:
+                raise UploadError(f"{name}: no array {key!r} (has {', '.join(arrays.files)})")
+            labels = arrays[key]
+    except (OSError, ValueError, zipfile.BadZipFile) as err:
+        raise UploadError(f"{name}: cannot read labels ({err})") from None
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise UploadError(f"{name}:{key}: labels must be a 1-D integer array")
+    if len(labels) < samples:
+        raise UploadError(f"{name}:{key}: {len(labels)} labels for {samples} samples")
+    return key

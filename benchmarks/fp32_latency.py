@@ -33,7 +33,7 @@ from profiler.onnx_load import load_model  # noqa: E402
 from profiler.schedules import build  # noqa: E402
 
 
-def _median_ms(fn, runs: int, warmup: int = 5) -> float:
+def median_ms(fn, runs: int, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -66,8 +66,8 @@ def measure(name: str, runs: int) -> dict:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feeds = _feeds(mod, session)
     args = [tvm.runtime.tensor(x) for x in feeds.values()]
-    ours = _median_ms(lambda: vm["main"](*args), runs)
-    theirs = _median_ms(lambda: session.run(None, feeds), runs)
+    ours = median_ms(lambda: vm["main"](*args), runs)
+    theirs = median_ms(lambda: session.run(None, feeds), runs)
     return {
         "model": name,
         "build_s": build_s,

@@ -21,8 +21,8 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-# Bump when the instrumented program or its sidecar changes meaning.
-PROGRAM_FORMAT = 4
+# Bump when the instrumented program, its sidecar or its statistics kernels change.
+PROGRAM_FORMAT = 5
 
 
 @contextlib.contextmanager

@@ -10,8 +10,10 @@ Every tensor entry of a profile document gets a scale ``s`` and zero point ``z``
 * ``percentile``: symmetric scheme: the ``p``-th percentile of ``|x|``; asymmetric: the
   ``(100 - p) / 2`` and ``100 - (100 - p) / 2`` percentiles of ``x``. Read off the histogram
   with linear interpolation inside a bin.
-* ``entropy``: TensorRT's KL-divergence search on the ``|x|`` histogram (:func:`_kl_threshold`).
-  The asymmetric scheme takes the symmetric threshold intersected with ``[min, max]``.
+* ``entropy``: TensorRT's KL-divergence search on the ``|x|`` histogram (:func:`_kl_threshold`),
+  with the zero bin given its neighbour's count (the spike of a ReLU output's zeros would
+  otherwise dominate the divergence: digits_cnn INT8 output SQNR 12 → 35 dB). The asymmetric
+  scheme takes the symmetric threshold intersected with ``[min, max]``.
 * ``mse``: the range minimising the expected squared quantization error
   (:func:`_mse_threshold`, :func:`_mse_range`).
 
@@ -312,6 +314,10 @@ def _clip_range(
                 "entropy needs: used max"
             )
             return "max", stats.min, stats.max, note
+        # The zero bin of a ReLU output holds a large share of the mass; counted as is, spreading
+        # it over a group of Q's bins dominates the divergence and drives the threshold far
+        # down. Like NVIDIA's pytorch-quantization, give it its neighbour's count.
+        counts = [counts[1], *counts[1:]]
         alpha = min(_kl_threshold(counts, width, levels), amax)
         if sym:
             return method, -alpha, alpha, None

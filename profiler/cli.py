@@ -7,6 +7,7 @@ code 2; the JSON printed by ``--json`` goes to stdout alone so it can be piped.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _err = Console(stderr=True)
+_out = Console()
 
 InputShapes = Annotated[
     list[str] | None,
@@ -223,6 +225,269 @@ def export(
         raise _fail(err) from None
     out.write_text(text)
     _err.print(f"{fmt} export -> {out}", highlight=False)
+
+
+# INT8 builds and their evaluation (the `byoc_plugins` package).
+
+Target = Annotated[str, typer.Option(help="x86 | aarch64 | npu")]
+QparamsFile = Annotated[
+    Path | None, typer.Option("--qparams", help="QPARAMS JSON (from `rangeprof calibrate`).")
+]
+ProfileFile = Annotated[
+    Path | None,
+    typer.Option("--profile", help="Profile JSON: qparams derived with the target's policy."),
+]
+Budget = Annotated[
+    float | None,
+    typer.Option(
+        help="Top-1 points INT8 may lose (agreement without labels): the most sensitive layers "
+        "stay FP32 until it holds; needs --data."
+    ),
+]
+Fallback = Annotated[
+    bool, typer.Option(help="Regions without qparams stay FP32 instead of failing.")
+]
+EvalData = Annotated[str | None, typer.Option(help="Evaluation data, FILE.npz:KEY.")]
+Labels = Annotated[str | None, typer.Option(help="Labels for top-1, FILE.npz:KEY.")]
+Samples = Annotated[int | None, typer.Option(help="Use at most this many samples.")]
+
+
+def _labels(spec: str | None):
+    import numpy as np
+
+    if spec is None:
+        return None
+    path, _, key = spec.partition(":")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            key = key or next(iter(arrays.files))
+            if key not in arrays.files:
+                raise RangeprofError(f"{path}: no array {key!r} (has {', '.join(arrays.files)})")
+            labels = arrays[key]
+    except (OSError, ValueError) as err:
+        raise RangeprofError(f"{path}: cannot read labels ({err})") from None
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise RangeprofError(f"{spec}: labels must be a 1-D integer array")
+    return labels
+
+
+def _load_profile(profile: Path | None) -> dict | None:
+    from .profile import load_profile
+
+    return None if profile is None else load_profile(profile)
+
+
+def _qparams_doc(qparams: Path | None, profile: dict | None, plugin, method: str, pct: float):
+    """The QPARAMS document: read from ``--qparams``, or derived from a loaded profile."""
+    import jsonschema
+
+    from byoc_plugins.quantized import qparams_from_profile
+
+    from .calibration import schema
+
+    if (qparams is None) == (profile is None):
+        raise RangeprofError("give exactly one of --qparams and --profile")
+    if profile is not None:
+        return qparams_from_profile(profile, plugin, method, pct)
+    try:
+        doc = json.loads(qparams.read_text())
+        jsonschema.validate(doc, schema())
+    except OSError as err:
+        raise RangeprofError(f"{qparams}: {err.strerror}") from None
+    except (ValueError, jsonschema.ValidationError) as err:
+        detail = getattr(err, "message", str(err)).splitlines()[0]
+        raise RangeprofError(f"{qparams}: not a QPARAMS document ({detail})") from None
+    return doc
+
+
+@app.command()
+def build(
+    model: Annotated[Path, typer.Argument(help="ONNX model file.")],
+    out: Annotated[Path, typer.Option(help="Folder for model.so and manifest.json.")],
+    target: Target = "x86",
+    qparams: QparamsFile = None,
+    profile: ProfileFile = None,
+    method: Method = "max",
+    percentile: Percentile = 99.99,
+    input_shape: InputShapes = None,
+    fp32_fallback: Fallback = False,
+    accuracy_budget: Budget = None,
+    data: EvalData = None,
+    labels: Labels = None,
+    samples: Samples = None,
+) -> None:
+    """Compile the model with INT8 regions for a target into a deployable artifact."""
+    from byoc_plugins.artifact import build_artifact
+    from byoc_plugins.evaluate import fit_budget
+    from byoc_plugins.plugin import get_plugin
+    from byoc_plugins.quantized import quantize_model
+
+    try:
+        plugin = get_plugin(target)
+        if accuracy_budget is not None and data is None:
+            raise RangeprofError("--accuracy-budget needs --data to measure the drop")
+        doc = _qparams_doc(qparams, _load_profile(profile), plugin, method, percentile)
+        shapes = _shapes(input_shape)
+        qm = quantize_model(model, doc, plugin, shapes, fp32_fallback)
+        kept: frozenset[str] = frozenset()
+        if accuracy_budget is not None:
+            # Integer results are the same on every target: measure where the code runs.
+            host = plugin if plugin.runs_here else get_plugin("x86")
+            measured = (
+                qm if host is plugin else quantize_model(model, doc, host, shapes, fp32_fallback)
+            )
+            with _progress() as advance:
+                result = fit_budget(
+                    measured, data, accuracy_budget, _labels(labels), samples, advance
+                )
+            kept = frozenset(result.kept_fp32)
+        manifest = build_artifact(qm, out, kept)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    int8 = sum(r["mode"] == "int8" for r in manifest["regions"])
+    _err.print(
+        f"{target}: {int8} of {len(manifest['regions'])} regions INT8"
+        + (f", kept FP32: {', '.join(manifest['kept_fp32'])}" if manifest["kept_fp32"] else "")
+        + f" -> {out / manifest['library']}",
+        highlight=False,
+    )
+
+
+def _progress():
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress
+
+    @contextmanager
+    def bar():
+        with Progress(
+            "{task.description}", BarColumn(), MofNCompleteColumn(), console=_err, transient=True
+        ) as progress:
+            task = progress.add_task("compiling", total=None)
+
+            def advance(what: str, done: int, total: int) -> None:
+                progress.update(task, description=what, completed=done, total=total)
+
+            yield advance
+
+    return bar()
+
+
+def _evaluation_table(doc: dict) -> Table:
+    table = Table(title="per layer, worst isolated SQNR first")
+    for column in ("profileID", "pattern", "mode", "isolated dB", "accumulated dB", "rmse/scale"):
+        table.add_column(column)
+
+    def db(value):
+        return "exact" if value is None else f"{value:.2f}"
+
+    for layer in doc["layers"]:
+        table.add_row(
+            layer["profile_id"],
+            layer["pattern"].split(".", 1)[-1],
+            layer["mode"],
+            db(layer["isolated_sqnr_db"]),
+            db(layer["accumulated_sqnr_db"]),
+            f"{layer['isolated_rmse_per_scale']:.2f} / {layer['accumulated_rmse_per_scale']:.2f}",
+        )
+    return table
+
+
+@app.command()
+def evaluate(
+    model: Annotated[Path, typer.Argument(help="ONNX model file.")],
+    data: Annotated[str, typer.Option(help="Evaluation data, FILE.npz:KEY.")],
+    labels: Labels = None,
+    target: Annotated[str, typer.Option(help="x86 | npu")] = "x86",
+    qparams: QparamsFile = None,
+    profile: ProfileFile = None,
+    method: Annotated[
+        str, typer.Option(help="max | percentile | entropy | mse | all (with --profile)")
+    ] = "max",
+    percentile: Percentile = 99.99,
+    input_shape: InputShapes = None,
+    fp32_fallback: Fallback = False,
+    accuracy_budget: Budget = None,
+    samples: Samples = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """FP32 vs INT8: top-1, agreement, output SQNR and per-layer error by profileID."""
+    from byoc_plugins.evaluate import evaluate as run_evaluation
+    from byoc_plugins.evaluate import fit_budget
+    from byoc_plugins.plugin import get_plugin
+    from byoc_plugins.quantized import quantize_model
+
+    from .calibration import METHODS
+
+    try:
+        if target not in ("x86", "npu"):
+            raise RangeprofError(f"evaluate runs on x86 or npu, not {target!r}")
+        plugin = get_plugin(target)
+        methods = list(METHODS) if method == "all" else [method]
+        if method == "all" and profile is None:
+            raise RangeprofError("--method all needs --profile")
+        truth = _labels(labels)
+        results = []
+        loaded, qm = _load_profile(profile), None
+        compiled: dict = {}  # the FP32 program serves every method
+        for name in methods:
+            doc = _qparams_doc(qparams, loaded, plugin, name, percentile)
+            if qm is None:
+                qm = quantize_model(model, doc, plugin, _shapes(input_shape), fp32_fallback)
+            else:
+                qm = qm.replanned(doc, fp32_fallback)
+            with _progress() as advance:
+                if accuracy_budget is None:
+                    result = run_evaluation(
+                        qm, data, truth, samples, progress=advance, compiled=compiled
+                    )
+                else:
+                    result = fit_budget(
+                        qm, data, accuracy_budget, truth, samples, advance, compiled
+                    )
+            results.append((doc["options"]["method"], result.to_json()))
+    except RangeprofError as err:
+        raise _fail(err) from None
+
+    def rank(item):
+        _, doc = item
+        return (doc.get("int8_top1", doc["agreement"]), doc["output_sqnr_db"] or math.inf)
+
+    best_method, best = max(results, key=rank)
+    report = {"method": best_method, "target": target, **best}
+    report["methods"] = [
+        {
+            "method": name,
+            "output_sqnr_db": doc["output_sqnr_db"],
+            "agreement": doc["agreement"],
+            **({"int8_top1": doc["int8_top1"]} if "int8_top1" in doc else {}),
+        }
+        for name, doc in results
+    ]
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return
+    top1 = (
+        f"top-1 FP32 {report['fp32_top1']:.2f}% INT8 {report['int8_top1']:.2f}%, "
+        if "fp32_top1" in report
+        else ""
+    )
+    _out.print(
+        f"{target}, {report['samples']} samples, method {best_method}: {top1}"
+        f"agreement {report['agreement']:.2f}%, output SQNR {report['output_sqnr_db']} dB",
+        highlight=False,
+    )
+    if len(results) > 1:
+        for row in report["methods"]:
+            _out.print(
+                f"  {row['method']:<10} SQNR {row['output_sqnr_db']} dB, agreement "
+                f"{row['agreement']:.2f}%"
+                + (f", INT8 top-1 {row['int8_top1']:.2f}%" if "int8_top1" in row else ""),
+                highlight=False,
+            )
+    if report["kept_fp32"]:
+        _out.print(f"kept FP32 for the budget: {', '.join(report['kept_fp32'])}", highlight=False)
+    Console(width=max(_out.width, 140)).print(_evaluation_table(report))
 
 
 # The service (the `api` package); imported inside the commands so the others stay fast.

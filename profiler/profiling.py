@@ -26,6 +26,7 @@ from .profile import build_document
 from .schedules import host_target
 from .spans import ids_of
 from .statistics import DEFAULT_BINS, TensorStats
+from .stats_kernel import Totals
 from .tagging import LayerRecord
 from .tracking import track
 
@@ -259,19 +260,20 @@ def profile_model(
     stats: dict[str, TensorStats] = dict(program.static)
     static_ids = set(stats)
     input_ids = {r.source_tensor: r.profile_id for r in prepared.layers if r.kind == "input"}
+    totals: dict[str, Totals] = {}  # the observed tensors, merged run after run
     done = 0
     for batch in source.batches():
         size = next(iter(batch.values())).shape[0]
-        _, observed = programs.get(size).run(batch)
+        programs.get(size).run_into(batch, totals)
         for name, array in batch.items():
             if np.issubdtype(array.dtype, np.floating):
-                observed[input_ids[name]] = TensorStats.observe(array, bins)
-        for profile_id, record in observed.items():
-            previous = stats.get(profile_id)
-            stats[profile_id] = record if previous is None else previous.merge(record)
+                record = TensorStats.observe(array, bins)
+                previous = stats.get(input_ids[name])
+                stats[input_ids[name]] = record if previous is None else previous.merge(record)
         done += size
         if progress:
             progress(done, source.num_samples)
+    stats.update((profile_id, total.stats()) for profile_id, total in totals.items())
     lap("run_s", mark)
     timings["total_s"] = round(time.perf_counter() - start, 6)
 

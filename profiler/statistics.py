@@ -37,7 +37,7 @@ _SUM_SHIFT = 1074  # exact sums are integers in units of 2**-1074
 def exact_units(value: float) -> int:
     """A finite float64 as an integer in units of 2**-1074 (exact)."""
     num, den = float(value).as_integer_ratio()
-    return num * ((1 << _SUM_SHIFT) // den)
+    return num << (_SUM_SHIFT + 1 - den.bit_length())  # den is a power of two
 
 
 def canonical_exponent(vmin: float, vmax: float, bins: int) -> int:
@@ -101,7 +101,9 @@ class Histogram:
         """Histogram of an array of finite values whose min and max are given."""
         exponent = canonical_exponent(vmin, vmax, bins)
         offset = math.floor(math.ldexp(vmin, -exponent))
-        scaled = np.ldexp(np.asarray(finite, dtype=np.float64).ravel(), -exponent)  # exact
+        # A product with a power of two rounds like ldexp (exact but below float64's normal
+        # range), and numpy vectorises it: ldexp is a function call per value.
+        scaled = np.asarray(finite, dtype=np.float64).ravel() * math.ldexp(1.0, -exponent)
         index = np.floor(scaled, out=scaled).astype(np.int64) - offset
         length = math.floor(math.ldexp(vmax, -exponent)) - offset + 1
         return cls(bins, exponent, offset, np.bincount(index, minlength=length))
@@ -261,7 +263,7 @@ class TensorStats:
         sum_sq = np.square(wide).sum()
         if not math.isfinite(sum_sq):  # float32 squares overflow float64 only past 1e154
             sum_sq = math.fsum(float(v) * float(v) for v in finite)
-        histogram = Histogram.of(finite, vmin, vmax, bins) if bins else None
+        histogram = Histogram.of(wide, vmin, vmax, bins) if bins else None  # finite, widened
         per_channel = None
         if channel_axis is not None:
             per_channel = _channel_range(values, channel_axis, nan_count + inf_count > 0)

@@ -146,6 +146,15 @@ def test_entropy_keeps_the_range_of_uniform_data():
     assert p.range[1] == pytest.approx(1.0, rel=0.03)
 
 
+def test_entropy_is_not_pulled_down_by_the_zeros_of_a_relu_output():
+    # Half the values are exact zeros: counted as they are, they dominate the divergence and the
+    # search clips at 2σ; with the zero bin levelled the threshold keeps the tail up to ~4σ.
+    x = np.maximum(np.random.default_rng(4).normal(size=200_000), 0).astype(np.float32)
+    for scheme, dtype in (("sym", "int8"), ("asym", "uint8")):
+        p = qp(x, method="entropy", scheme=scheme, dtype=dtype)
+        assert 3.5 < p.range[1] <= x.max()
+
+
 def test_entropy_asymmetric_intersects_the_threshold_with_the_data_range():
     x = np.abs(gaussian_with_outliers(100_000, 100))
     p = qp(x, method="entropy", scheme="asym", dtype="uint8")

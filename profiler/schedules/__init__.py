@@ -1,4 +1,5 @@
-"""A fast FP32 CPU build path: NHWC layout, prepacked weights, rule-based schedules per kernel.
+"""A fast CPU build path (FP32, and INT8 on the dot-product instruction of the target): NHWC
+layout, prepacked weights, rule-based schedules per kernel.
 
 ``build(mod, target=None)`` compiles a Relax module as our importer produces it (NCHW) into a
 ``tvm.runtime.Executable``; ``relax_pipeline(target)`` is the same pipeline as a pass for

@@ -46,8 +46,8 @@ from .isa import VectorUnit, vector_unit
 CONV = "conv2d_nhwc_packed"
 DEPTHWISE = "depthwise_conv2d_nhwc"
 PAD = "conv_pad"
-_ACCUMULATOR_BYTES = 16 * 1024  # rows of partial sums kept in L1 across input-channel chunks
-_WEIGHT_BYTES = 24 * 1024  # weights of one input-channel chunk, reused from L1 by every tile
+ACCUMULATOR_BYTES = 16 * 1024  # rows of partial sums kept in L1 across input-channel chunks
+WEIGHT_BYTES = 24 * 1024  # weights of one input-channel chunk, reused from L1 by every tile
 
 
 def register_tile(width: int, out_channels: int, unit: VectorUnit) -> tuple[int, int]:
@@ -78,7 +78,7 @@ def _pad(data: te.Tensor, padding) -> te.Tensor:
     return topi.nn.pad(data, [0, top, left, 0], [0, bottom, right, 0], name=PAD)
 
 
-def _out_size(size, kernel: int, stride: int, dilation: int, before: int, after: int):
+def out_size(size, kernel: int, stride: int, dilation: int, before: int, after: int):
     return (size + before + after - (kernel - 1) * dilation - 1) // stride + 1
 
 
@@ -87,8 +87,8 @@ def conv2d_nhwc_packed(data, weight, strides, padding, dilation):
     n, h, w, _ = data.shape
     blocks, kh, kw, ci, ob = (int(d) for d in weight.shape)
     (sh, sw), (dh, dw) = strides, dilation
-    oh = _out_size(h, kh, sh, dh, padding[0], padding[2])
-    ow = _out_size(w, kw, sw, dw, padding[1], padding[3])
+    oh = out_size(h, kh, sh, dh, padding[0], padding[2])
+    ow = out_size(w, kw, sw, dw, padding[1], padding[3])
     padded = _pad(data, padding)
     ry, rx, rc = (
         te.reduce_axis((0, kh), "ry"),
@@ -110,8 +110,8 @@ def depthwise_conv2d_nhwc(data, weight, strides, padding, dilation):
     n, h, w, c = data.shape
     kh, kw, _ = (int(d) for d in weight.shape)
     (sh, sw), (dh, dw) = strides, dilation
-    oh = _out_size(h, kh, sh, dh, padding[0], padding[2])
-    ow = _out_size(w, kw, sw, dw, padding[1], padding[3])
+    oh = out_size(h, kh, sh, dh, padding[0], padding[2])
+    ow = out_size(w, kw, sw, dw, padding[1], padding[3])
     padded = _pad(data, padding)
     ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
     return te.compute(
@@ -153,7 +153,7 @@ def legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call):
     return bb.call_te(kernel, data, const, primfunc_name_hint=kernel.__name__, **args)
 
 
-def _find(sch: s_tir.Schedule, name: str):
+def find_block(sch: s_tir.Schedule, name: str):
     try:
         return sch.get_sblock(name)
     except Exception:  # FuseTIR keeps the names of the blocks it fuses; absent when not fused
@@ -161,7 +161,7 @@ def _find(sch: s_tir.Schedule, name: str):
 
 
 def _schedule_pad(sch: s_tir.Schedule) -> None:
-    pad = _find(sch, PAD)
+    pad = find_block(sch, PAD)
     if pad is not None:
         schedule_spatial(sch, pad)
 
@@ -172,9 +172,9 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     ob = int(sch.get(conv).reads[1].source.ty.shape[-1])
     width = extent(sch, x)
     tile = vector_unit().tile(width, ob)
-    rows = largest_divisor(extent(sch, y), max(1, _ACCUMULATOR_BYTES // (width * ob * 4)))
+    rows = largest_divisor(extent(sch, y), max(1, ACCUMULATOR_BYTES // (width * ob * 4)))
     taps = extent(sch, ry) * extent(sch, rx)
-    chunk = largest_divisor(extent(sch, rc), max(1, _WEIGHT_BYTES // (taps * ob * 4)))
+    chunk = largest_divisor(extent(sch, rc), max(1, WEIGHT_BYTES // (taps * ob * 4)))
 
     out = inline_epilogue(sch, conv, keep=(PAD,))
     yo, yi = sch.split(y, [None, rows])
@@ -192,14 +192,15 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     unroll_vectorize_tile(sch, init, out)
 
 
-def _schedule_depthwise(sch: s_tir.Schedule, conv) -> None:
-    """``n, c/ob, y, x/T | ky, kx, T, ob`` with the taps unrolled: a ``T × ob`` register tile."""
+def schedule_depthwise(sch: s_tir.Schedule, conv, keep=(PAD,)) -> None:
+    """``n, c/ob, y, x/T | ky, kx, T, ob`` with the taps unrolled: a ``T × ob`` register tile
+    (``keep``: the input stage the epilogue inlining must leave alone)."""
     n, y, x, o, ry, rx = sch.get_loops(conv)
     channels = extent(sch, o)
     ob = VECTOR if channels % VECTOR == 0 else largest_divisor(channels, 2 * VECTOR)
     tile = vector_unit().tile(extent(sch, x), ob)
 
-    out = inline_epilogue(sch, conv, keep=(PAD,))
+    out = inline_epilogue(sch, conv, keep=keep)
     xo, xi = sch.split(x, [None, tile])
     oo, oi = sch.split(o, [None, ob])
     sch.reorder(n, oo, y, xo, ry, rx, xi, oi)
@@ -215,11 +216,11 @@ def _schedule_depthwise(sch: s_tir.Schedule, conv) -> None:
 
 def schedule_conv2d(sch: s_tir.Schedule) -> bool:
     """Schedules a PrimFunc holding a packed NHWC conv; False when there is none."""
-    conv = _find(sch, CONV)
+    conv = find_block(sch, CONV)
     if conv is not None:
         _schedule_dense(sch, conv)
-    elif (conv := _find(sch, DEPTHWISE)) is not None:
-        _schedule_depthwise(sch, conv)
+    elif (conv := find_block(sch, DEPTHWISE)) is not None:
+        schedule_depthwise(sch, conv)
     else:
         return False
     _schedule_pad(sch)

@@ -4,6 +4,10 @@ Register tiles must fit the register file: an AVX-512 core holds 32 registers of
 lanes, an AVX2 core 16 of 8 (the same tile there spills every accumulator: 4× slower, measured
 on a Zen 3 EPYC), NEON 32 of 4. Rules ask :func:`vector_unit` inside the build (the target is
 the current one), and legalizations pack weights for the same unit.
+
+Integer kernels are built around one dot-product instruction (:class:`DotInstruction`, chosen
+by :func:`dot_instruction`): AVX-512 VNNI ``vpdpbusd`` (u8 × s8, 4 products per int32 lane),
+AVX2 ``vpmaddwd`` (int16 pairs: the only exact one without VNNI), NEON ``sdot`` (s8 × s8).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import tvm
+from tvm import tirx
 
 from .elementwise import largest_divisor
 
@@ -52,3 +57,107 @@ def vector_unit(target: tvm.target.Target | None = None) -> VectorUnit:
     if has("avx2", target):
         return _AVX2
     return _SSE
+
+
+@dataclass(frozen=True)
+class DotInstruction:
+    """An integer dot-product instruction: ``lanes`` int32 accumulators, each adding ``depth``
+    products of a group of activations (one broadcast to every lane, or one per lane) with
+    ``lanes × depth`` packed weights.
+
+    Activations are read as ``data_dtype`` and weights as ``weight_dtype``: legalizations
+    convert activations (and pack weights) to these types, exactly (see :meth:`data_offset`).
+    """
+
+    intrinsic: str  # LLVM intrinsic name, called through T.call_llvm_pure_intrin
+    lanes: int
+    depth: int
+    data_dtype: str
+    weight_dtype: str
+    accumulates: bool  # the instruction adds into its first operand (else: acc + result)
+    registers: int  # vector registers of the target, for the register tile
+
+    def data_offset(self, dtype: str) -> int:
+        """What to add to ``dtype`` activations to bring them into ``data_dtype`` exactly:
+        ±128 flips int8 and uint8 (the accumulator is corrected by ``-offset · Σw``)."""
+        if dtype == "int8" and self.data_dtype == "uint8":
+            return 128
+        if dtype == "uint8" and self.data_dtype == "int8":
+            return -128
+        return 0
+
+    def tile(self, extent: int, block: int) -> int:
+        """Rows of a ``rows × block`` int32 register tile (as :meth:`VectorUnit.tile`)."""
+        return largest_divisor(extent, self.registers * 3 // 4 // (block // self.lanes))
+
+    def call(self, acc, data, weight):
+        """``acc + dot(data, weight)`` on vectors: ``acc`` int32 × lanes, ``weight``
+        ``lanes × depth`` packed weights, ``data`` either the ``depth`` activations of one
+        group (broadcast to every lane: a conv's input channels) or the bits of
+        ``lanes × depth`` of them (one group per lane: a depthwise conv's taps)."""
+        width = self.lanes * self.depth
+        loaded = tvm.runtime.DataType(str(data.ty.dtype))
+        if loaded.bits * loaded.lanes == 8 * self.depth * _bytes(self.data_dtype):
+            word = tirx.reinterpret(f"int{8 * self.depth * _bytes(self.data_dtype)}", data)
+            data = tirx.Broadcast(word, self.lanes)
+        # LLVM types the operands without signedness: int8 vectors for u8 and s8 alike.
+        data_vec = tirx.reinterpret(f"int{8 * _bytes(self.data_dtype)}x{width}", data)
+        weight_vec = tirx.reinterpret(f"int{8 * _bytes(self.weight_dtype)}x{width}", weight)
+        out = f"int32x{self.lanes}"
+        if self.accumulates:
+            return tirx.call_llvm_pure_intrin(out, self.intrinsic, acc, data_vec, weight_vec)
+        return acc + tirx.call_llvm_pure_intrin(out, self.intrinsic, data_vec, weight_vec)
+
+
+def _bytes(dtype: str) -> int:
+    return tvm.runtime.DataType(dtype).bits // 8
+
+
+# Widest first: a rule takes the first whose lanes divide the output channels.
+_VNNI = (
+    DotInstruction("llvm.x86.avx512.vpdpbusd.512", 16, 4, "uint8", "int8", True, 32),
+    DotInstruction("llvm.x86.avx512.vpdpbusd.256", 8, 4, "uint8", "int8", True, 32),
+)
+# No 8-bit dot product on AVX2: vpmaddubsw saturates u8·s8 pairs at int16 (255·127·2 > 32767),
+# vpmaddwd on int16 pairs is exact.
+_PMADDWD = (
+    DotInstruction("llvm.x86.avx2.pmadd.wd", 8, 2, "int16", "int16", False, 16),
+    DotInstruction("llvm.x86.sse2.pmadd.wd", 4, 2, "int16", "int16", False, 16),
+)
+_SDOT = (DotInstruction("llvm.aarch64.neon.sdot.v4i32.v16i8", 4, 4, "int8", "int8", True, 32),)
+DOT_INSTRUCTIONS = {d.intrinsic: d for d in (*_VNNI, *_PMADDWD, *_SDOT)}
+
+
+def dot_instructions(target: tvm.target.Target | None = None) -> tuple[DotInstruction, ...]:
+    """The integer dot-product instructions of ``target`` (default: the current target),
+    widest first; empty when it has none we use."""
+    target = target or tvm.target.Target.current()
+    if target is None or str(target.kind) != "llvm":
+        return ()
+    has = tvm.target.codegen.target_has_features
+    triple = str(target.attrs.get("mtriple", ""))
+    if triple.startswith(("aarch64", "arm64")):
+        return _SDOT if has("dotprod", target) else ()
+    if has("avx512vnni", target):
+        return _VNNI
+    if has("avx2", target):
+        return _PMADDWD
+    return ()
+
+
+def dot_instruction(channels: int, target: tvm.target.Target | None = None):
+    """The widest dot instruction of the target whose lanes divide ``channels``, else None."""
+    return next((d for d in dot_instructions(target) if channels % d.lanes == 0), None)
+
+
+def pair_instruction(channels: int, target: tvm.target.Target | None = None):
+    """``vpmaddwd`` (two int16 products per int32 lane) when ``target`` is x86 with AVX2 and
+    its lanes divide ``channels``, else None: depthwise convs pair their taps with it."""
+    target = target or tvm.target.Target.current()
+    if target is None or str(target.kind) != "llvm":
+        return None
+    if str(target.attrs.get("mtriple", "")).startswith(("aarch64", "arm64")):
+        return None
+    pair = _PMADDWD[0]
+    has_avx2 = tvm.target.codegen.target_has_features("avx2", target)
+    return pair if has_avx2 and channels % pair.lanes == 0 else None

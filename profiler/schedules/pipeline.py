@@ -1,4 +1,4 @@
-"""The FP32 CPU build: layout rewrite, weight prepacking, fusion, a rule-based schedule per kernel.
+"""The CPU build (FP32, INT8): layout rewrite, weight prepacking, fusion, a schedule per kernel.
 
 Order of passes, and why:
 
@@ -10,10 +10,14 @@ Order of passes, and why:
 3. ``ConvertLayout`` to NHWC/OHWI: channels innermost, so every conv, pooling and elementwise
    kernel vectorises over channels; ``prepare`` folds the transposed weights.
 4. ``LegalizeOps`` with our conv2d and matmul legalizations (weights repacked in numpy, at build
-   time), then ``FuseOps`` / ``FuseTIR`` keep elementwise epilogues in the conv / dense kernels.
+   time), chosen by dtype: float32 (:mod:`.conv2d`, :mod:`.dense`) or 8-bit activations × int8
+   constant weights → int32 (:mod:`.conv2d_int8`, :mod:`.dense_int8`), and the int64
+   requantization arithmetic in 32-bit instructions (:mod:`.requantize`). ``FuseOps`` /
+   ``FuseTIR`` then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it
-   (:mod:`.conv2d`, :mod:`.dense`, :mod:`.pooling`), else the generic schedule of
-   :mod:`.elementwise`.
+   (:mod:`.conv2d`, :mod:`.conv2d_int8`, :mod:`.dense_int8`, :mod:`.dense`, :mod:`.pooling`),
+   else the generic schedule of :mod:`.elementwise`; :data:`~.dot.lower_dot_blocks` turns the
+   blocks the integer rules mark into dot-product instruction calls.
 6. TVM's own CPU lowering passes (dataflow lowering, memory planning, VM codegen).
 """
 
@@ -30,13 +34,23 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from profiler.passes.fold_scale_axis import FoldScaleAxis
 
 from .conv2d import legalize_conv2d, schedule_conv2d
+from .conv2d_int8 import is_int8, legalize_conv2d_int8, schedule_conv2d_int8
 from .dense import legalize_matmul, schedule_dense
+from .dense_int8 import legalize_matmul_int8, schedule_dense_int8
+from .dot import lower_dot_blocks
 from .elementwise import schedule_generic
 from .pooling import schedule_pooling
 from .prepare import prepare
+from .requantize import fold_bias, legalize_multiply, legalize_right_shift
 
 _LOG = logging.getLogger(__name__)
-_RULES = (schedule_conv2d, schedule_dense, schedule_pooling)
+_RULES = (
+    schedule_conv2d,
+    schedule_conv2d_int8,
+    schedule_dense_int8,
+    schedule_dense,
+    schedule_pooling,
+)
 
 
 def host_target() -> tvm.target.Target:
@@ -68,6 +82,15 @@ def apply_schedules(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return mod
 
 
+def _by_dtype(fp32, int8):
+    """One legalization per operator: the integer one for 8-bit × constant int8 → int32 calls."""
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call):
+        return (int8 if is_int8(call) else fp32)(bb, call)
+
+    return legalize
+
+
 def relax_pipeline(
     target: tvm.target.Target | None = None,
     fold_scales: bool = True,
@@ -82,7 +105,12 @@ def relax_pipeline(
     profiler's statistics kernels go in there).
     """
     target = target or host_target()
-    legalize = {"relax.nn.conv2d": legalize_conv2d, "relax.matmul": legalize_matmul}
+    legalize = {
+        "relax.nn.conv2d": _by_dtype(legalize_conv2d, legalize_conv2d_int8),
+        "relax.matmul": _by_dtype(legalize_matmul, legalize_matmul_int8),
+        "relax.multiply": legalize_multiply,
+        "relax.right_shift": legalize_right_shift,
+    }
     layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
     passes = [
         relax.transform.DecomposeOpsForInference(),
@@ -91,11 +119,13 @@ def relax_pipeline(
         relax.transform.ConvertLayout(layouts),
         prepare,
         *layout_passes,
+        fold_bias,
         relax.transform.LegalizeOps(customize_legalize_map=legalize),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         apply_schedules,
+        lower_dot_blocks,
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ]

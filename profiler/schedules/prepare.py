@@ -154,7 +154,9 @@ class _Prepare(relax.PyExprMutator):
         bound_value = self._value(bound)
         if bound_value is None:
             return call
-        return op(data, relax.const(bound_value, str(bound.ty.dtype)))
+        # The operator keeps the call's span: the Clip's profileIDs stay on its binding.
+        new = op(data, relax.const(bound_value, str(bound.ty.dtype)))
+        return relax.Call(new.op, new.args, new.attrs, new.ty_args, call.span)
 
 
 @tvm.transform.module_pass(opt_level=0, name="PrepareForSchedules")

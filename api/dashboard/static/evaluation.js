@@ -1,0 +1,172 @@
+// Quantization error of one evaluation: per-layer isolated / accumulated SQNR, worst first,
+// coloured against two thresholds, and the model drawn as its sequence of compiled bindings
+// (BYOC regions and the FP32 operators between them), each coloured by its layer's error.
+import {
+  ACTIVE,
+  api,
+  BASE,
+  el,
+  fmt,
+  header,
+  layerHref,
+  numCell,
+  pathId,
+  poll,
+  progressBar,
+  SQNR_COLOURS,
+  showError,
+  sqnrClass,
+  statusBadge,
+} from "./dashboard.js";
+
+const evaluationId = pathId("evaluations");
+let evaluation;
+let model;
+let run;
+
+// null SQNR is an exact match: better than any number.
+function sqnr(db) {
+  return db === null || db === undefined ? Infinity : db;
+}
+
+function worstFirst(layers) {
+  return [...layers].sort(
+    (x, y) => sqnr(x.isolated_sqnr_db) - sqnr(y.isolated_sqnr_db) || sqnr(x.accumulated_sqnr_db) - sqnr(y.accumulated_sqnr_db),
+  );
+}
+
+function thresholds() {
+  return [Number(document.getElementById("good").value), Number(document.getElementById("warn").value)];
+}
+
+function sqnrCell(db, column) {
+  const [good, warn] = thresholds();
+  return numCell(db, { class: `num sqnr ${sqnrClass(db, good, warn)}`, "data-column": column, title: db === null ? "exact" : undefined });
+}
+
+function showFacts() {
+  const report = evaluation.report ?? {};
+  const facts = [
+    ["status", statusBadge(evaluation.status)],
+    ["progress", progressBar(evaluation.progress, evaluation.phase ?? undefined)],
+    ["run", el("a", { href: `${BASE}/runs/${evaluation.run_id}` }, `run ${evaluation.run_id}`)],
+    ["source", evaluation.source === "report" ? "uploaded report" : "computed by the service"],
+    ["method / target", `${evaluation.method} / ${evaluation.target}`],
+    ["samples", report.samples ?? evaluation.samples ?? "–"],
+    ["output SQNR", report.output_sqnr_db === undefined ? "–" : `${fmt(report.output_sqnr_db)} dB`],
+    ["top-1 agreement", report.agreement === undefined ? "–" : `${fmt(report.agreement)} %`],
+    ["top-1 FP32 / INT8", report.fp32_top1 === undefined ? "– (no labels)" : `${fmt(report.fp32_top1)} % / ${fmt(report.int8_top1)} %`],
+    ["kept FP32", report.kept_fp32?.length ? report.kept_fp32.join(", ") : "–"],
+    ["error", evaluation.error ?? "–"],
+  ];
+  document.getElementById("facts").replaceChildren(
+    ...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", { "data-fact": k }, v)]),
+  );
+}
+
+function showTable() {
+  const layers = worstFirst(evaluation.report?.layers ?? []);
+  const rows = layers.map((layer, i) =>
+    el(
+      "tr",
+      { "data-profile-id": layer.profile_id },
+      el("td", { class: "num" }, i + 1),
+      el("td", { class: "mono" }, el("a", { href: layerHref(model.id, layer.profile_id, run.id) }, layer.profile_id)),
+      el("td", { class: "mono" }, layer.pattern.split(".").at(-1)),
+      el("td", {}, layer.mode),
+      sqnrCell(layer.isolated_sqnr_db, "isolated"),
+      sqnrCell(layer.accumulated_sqnr_db, "accumulated"),
+      numCell(layer.isolated_rmse_per_scale),
+      numCell(layer.accumulated_rmse_per_scale),
+    ),
+  );
+  document.querySelector("#sqnr tbody").replaceChildren(...rows);
+}
+
+// The nodes of the graph: main's bindings at the BYOC partition stage (else the last stage),
+// in program order, each named by its output: the latest initial layer it holds.
+function graphNodes() {
+  const stage = model.stages.find((s) => s.name === "partition") ?? model.stages.at(-1);
+  const position = new Map(model.layers.map((l, i) => [l.profile_id, i])); // listed in order
+  const op = new Map(model.layers.map((l) => [l.profile_id, l.op]));
+  const evaluated = new Map((evaluation.report?.layers ?? []).map((l) => [l.profile_id, l]));
+  const nodes = Object.entries(stage?.lineage ?? {})
+    .filter(([key]) => key.startsWith("main/"))
+    .map(([key, layers]) => {
+      const output = layers.reduce((a, b) => ((position.get(b) ?? -1) > (position.get(a) ?? -1) ? b : a));
+      return { key, layers, output, op: op.get(output), error: evaluated.get(output) };
+    });
+  return { stage: stage?.name, nodes };
+}
+
+function showGraph() {
+  const { stage, nodes } = graphNodes();
+  const metric = document.getElementById("graph-metric").value;
+  const [good, warn] = thresholds();
+  const [top, step, height, width] = [10, 44, 28, 520];
+  const svg = el("svg", {
+    id: "graph-svg",
+    width: width + 380,
+    height: top * 2 + Math.max(0, nodes.length * step - (step - height)),
+    xmlns: "http://www.w3.org/2000/svg",
+  });
+  nodes.forEach((node, i) => {
+    const y = top + i * step;
+    const db = node.error?.[`${metric}_sqnr_db`];
+    const level = node.error ? sqnrClass(db, good, warn) : "fp32";
+    if (i) {
+      svg.append(el("line", { x1: 20 + width / 2, y1: y - step + height, x2: 20 + width / 2, y2: y - 2, stroke: "#90a4ae" }));
+      svg.append(el("path", { d: `M${16 + width / 2},${y - 7} l4,6 l4,-6 z`, fill: "#90a4ae" }));
+    }
+    const label = node.error ? `${fmt(db, 4)} dB${db === null ? " (exact)" : ""}` : "FP32";
+    const group = el(
+      "g",
+      { class: "node", "data-profile-id": node.output, "data-level": level, onclick: () => location.assign(layerHref(model.id, node.output, run.id)) },
+      el("title", {}, `${node.key}: ${node.layers.join(", ")}`),
+      el("rect", { x: 20, y, width, height, rx: 5, fill: SQNR_COLOURS[level], "data-profile-id": node.output }),
+      el("text", { x: 30, y: y + 18, fill: "#fff", "font-size": 12, "font-family": "monospace" }, `${node.output}  ${node.op ?? ""}`),
+      el("text", { x: 12 + width, y: y + 18, fill: "#fff", "font-size": 12, "text-anchor": "end" }, label),
+      el("text", { x: 30 + width, y: y + 18, fill: "#5f6b76", "font-size": 11 }, `${node.key} · ${node.layers.length} layer${node.layers.length > 1 ? "s" : ""}`),
+    );
+    svg.append(group);
+  });
+  document.getElementById("graph").replaceChildren(svg);
+  document.getElementById("graph-note").textContent = nodes.length
+    ? `${nodes.length} bindings of main after stage ${stage}; click one for its layer`
+    : "the model has no stage lineage to draw";
+}
+
+function render() {
+  showFacts();
+  if (evaluation.status === "done") {
+    showTable();
+    showGraph();
+  }
+}
+
+async function main() {
+  header(["Models", `${BASE}/`], `evaluation ${evaluationId}`);
+  evaluation = await api(`/api/evaluations/${evaluationId}`);
+  run = await api(`/api/runs/${evaluation.run_id}`);
+  model = await api(`/api/models/${run.model_id}`);
+  header(
+    ["Models", `${BASE}/`],
+    [model.name, `${BASE}/models/${model.id}?run=${run.id}`],
+    [`run ${run.id}`, `${BASE}/runs/${run.id}`],
+    `evaluation ${evaluationId}`,
+  );
+  document.getElementById("title").textContent = `${model.name}: quantization error (${evaluation.method}, ${evaluation.target})`;
+  render();
+  for (const id of ["good", "warn", "graph-metric"]) {
+    document.getElementById(id).addEventListener("change", render);
+  }
+  if (ACTIVE.includes(evaluation.status)) {
+    poll(async () => {
+      evaluation = await api(`/api/evaluations/${evaluationId}`);
+      render();
+      return ACTIVE.includes(evaluation.status);
+    }).catch(showError);
+  }
+}
+
+main().catch(showError);

@@ -1,0 +1,222 @@
+// A model: its runs (live progress, new runs, comparison) and its layer table, searched,
+// sorted and paged by the API. The table's state lives in the URL, so a view can be shared.
+import {
+  ACTIVE,
+  api,
+  BASE,
+  el,
+  header,
+  layerHref,
+  METHODS,
+  numCell,
+  pathId,
+  poll,
+  progressBar,
+  query,
+  showError,
+  statusBadge,
+  when,
+} from "./dashboard.js";
+
+const modelId = pathId("models");
+const DEFAULTS = { q: "", sort: "position", order: "asc", offset: 0, limit: 50, scheme: "sym" };
+const state = {
+  run: query().get("run"),
+  q: query().get("q") ?? DEFAULTS.q,
+  sort: query().get("sort") ?? DEFAULTS.sort,
+  order: query().get("order") ?? DEFAULTS.order,
+  offset: Number(query().get("offset") ?? DEFAULTS.offset),
+  limit: Number(query().get("limit") ?? DEFAULTS.limit),
+  scheme: query().get("scheme") ?? DEFAULTS.scheme,
+};
+let total = 0;
+let shown = 0; // requests answered out of order must not overwrite a newer table
+
+// The view in the URL (what differs from the defaults), so that it can be shared.
+function remember() {
+  const q = new URLSearchParams();
+  for (const [key, value] of Object.entries(state)) {
+    if (value !== null && value !== "" && value !== DEFAULTS[key]) q.set(key, value);
+  }
+  history.replaceState(null, "", q.size ? `${location.pathname}?${q}` : location.pathname);
+}
+
+async function loadLayers() {
+  const request = ++shown;
+  const params = new URLSearchParams({
+    sort: state.sort,
+    order: state.order,
+    offset: state.offset,
+    limit: state.limit,
+    scheme: state.scheme,
+  });
+  if (state.run) params.set("run", state.run);
+  if (state.q) params.set("q", state.q);
+  const page = await api(`/api/models/${modelId}/layers?${params}`);
+  if (request !== shown) return;
+  total = page.total;
+  const rows = page.rows.map((row) =>
+    el(
+      "tr",
+      { "data-profile-id": row.profile_id },
+      el("td", { class: "num" }, row.position),
+      el("td", { class: "mono" }, el("a", { href: layerHref(modelId, row.profile_id, state.run) }, row.profile_id)),
+      el("td", {}, row.kind),
+      el("td", { class: "mono" }, row.op),
+      el("td", { class: "mono" }, row.source_node ?? "–"),
+      el("td", { class: "mono" }, row.shape ? row.shape.join("×") : "–"),
+      numCell(row.min, { "data-column": "min" }),
+      numCell(row.max, { "data-column": "max" }),
+      ...METHODS.map((m) => numCell(row.scales[m], { "data-column": `scale-${m}` })),
+    ),
+  );
+  document.querySelector("#layers tbody").replaceChildren(...rows);
+  const first = total ? state.offset + 1 : 0;
+  document.getElementById("range").textContent = `rows ${first}–${state.offset + rows.length} of ${total}`;
+  document.getElementById("prev").disabled = state.offset === 0;
+  document.getElementById("next").disabled = state.offset + state.limit >= total;
+  for (const th of document.querySelectorAll("#layers th[data-sort]")) {
+    th.classList.toggle("sorted-asc", th.dataset.sort === state.sort && state.order === "asc");
+    th.classList.toggle("sorted-desc", th.dataset.sort === state.sort && state.order === "desc");
+  }
+  remember();
+}
+
+function refreshLayers() {
+  loadLayers().catch(showError);
+}
+
+function runOptions(run) {
+  const o = run.options;
+  return [`bins ${o.bins}`, o.samples && `samples ${o.samples}`, o.batch_size && `batch ${o.batch_size}`, `seed ${o.seed}`]
+    .filter(Boolean)
+    .join(", ");
+}
+
+async function loadRuns() {
+  const runs = await api(`/api/models/${modelId}/runs`);
+  const rows = runs.map((run) => {
+    const progress = run.samples_total ? `${run.samples_done}/${run.samples_total} samples` : undefined;
+    return el(
+      "tr",
+      { "data-run-id": run.id, "data-status": run.status },
+      el("td", {}, el("input", { type: "checkbox", class: "pick", value: run.id, disabled: run.status !== "done", onchange: picked })),
+      el("td", { class: "num" }, el("a", { href: `${BASE}/runs/${run.id}` }, run.id)),
+      el("td", {}, statusBadge(run.status)),
+      el("td", {}, progressBar(run.progress, progress)),
+      el("td", { class: "mono" }, run.data.kind === "random" ? "random" : `${run.data.name}${run.data.key ? `:${run.data.key}` : ""}`),
+      el("td", {}, runOptions(run)),
+      el("td", {}, when(run.created_at)),
+      el("td", { class: "muted" }, run.error ?? ""),
+    );
+  });
+  document.querySelector("#runs tbody").replaceChildren(...rows);
+  const done = runs.filter((r) => r.status === "done");
+  const select = document.getElementById("run");
+  // Until one is chosen (in the URL or the menu), the newest done run.
+  const wanted = state.run ?? String(done.at(-1)?.id ?? "");
+  select.replaceChildren(
+    el("option", { value: "" }, "none (layers only)"),
+    ...done.map((r) => el("option", { value: r.id }, `run ${r.id}`)),
+  );
+  select.value = done.some((r) => String(r.id) === wanted) ? wanted : "";
+  if (select.value !== state.run) {
+    state.run = select.value;
+    refreshLayers();
+  }
+  return runs.some((r) => ACTIVE.includes(r.status));
+}
+
+function picked() {
+  const checked = [...document.querySelectorAll("#runs .pick:checked")];
+  document.getElementById("compare").disabled = checked.length !== 2;
+}
+
+document.getElementById("compare").addEventListener("click", () => {
+  const [a, b] = [...document.querySelectorAll("#runs .pick:checked")].map((box) => box.value);
+  location.assign(`${BASE}/compare?a=${a}&b=${b}`);
+});
+
+document.getElementById("new-run").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const form = new FormData(event.target);
+  for (const [key, value] of [...form.entries()]) {
+    if (value === "" || (value instanceof File && !value.name)) form.delete(key);
+  }
+  showError(null, "run-error");
+  try {
+    await api(`/api/models/${modelId}/runs`, { method: "POST", form });
+    event.target.reset();
+    poll(loadRuns).catch(showError);
+  } catch (err) {
+    showError(err, "run-error");
+  }
+});
+
+document.getElementById("run").addEventListener("change", (event) => {
+  state.run = event.target.value;
+  refreshLayers();
+});
+
+let typing;
+const search = document.getElementById("search");
+search.value = state.q;
+search.addEventListener("input", () => {
+  clearTimeout(typing);
+  typing = setTimeout(() => {
+    state.q = search.value.trim();
+    state.offset = 0;
+    refreshLayers();
+  }, 250);
+});
+
+for (const [id, key] of [["scheme", "scheme"], ["limit", "limit"]]) {
+  const select = document.getElementById(id);
+  select.value = String(state[key]);
+  select.addEventListener("change", () => {
+    state[key] = key === "limit" ? Number(select.value) : select.value;
+    state.offset = 0;
+    refreshLayers();
+  });
+}
+
+for (const th of document.querySelectorAll("#layers th[data-sort]")) {
+  th.addEventListener("click", () => {
+    const again = state.sort === th.dataset.sort;
+    state.order = again && state.order === "asc" ? "desc" : "asc";
+    state.sort = th.dataset.sort;
+    state.offset = 0;
+    refreshLayers();
+  });
+}
+
+document.getElementById("prev").addEventListener("click", () => {
+  state.offset = Math.max(0, state.offset - state.limit);
+  refreshLayers();
+});
+document.getElementById("next").addEventListener("click", () => {
+  if (state.offset + state.limit < total) state.offset += state.limit;
+  refreshLayers();
+});
+
+async function main() {
+  header(["Models", `${BASE}/`], `model ${modelId}`);
+  const model = (await api("/api/models")).find((m) => m.id === modelId);
+  if (!model) throw new Error(`model ${modelId} not found`);
+  header(["Models", `${BASE}/`], model.name);
+  document.getElementById("title").textContent = model.name;
+  document.getElementById("facts").replaceChildren(
+    ...[
+      ["sha256", model.sha256],
+      ["opset", model.opset],
+      ["inputs", model.inputs.map((i) => `${i.name} ${i.shape.join("×")} ${i.dtype}`).join(", ")],
+      ["uploaded", when(model.created_at)],
+    ].flatMap(([k, v]) => [el("dt", {}, k), el("dd", { class: "mono" }, v)]),
+  );
+  const before = state.run;
+  const active = await loadRuns();
+  if (state.run === before) refreshLayers(); // else loadRuns did, for the run it chose
+  if (active) poll(loadRuns).catch(showError);
+}
+
+main().catch(showError);

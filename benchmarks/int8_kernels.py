@@ -1,0 +1,161 @@
+"""INT8 vs FP32 kernels of our CPU build (profiler.schedules.build), one layer shape at a time.
+
+For each shape (ResNet-18 3×3 convs, a 1×1, a MobileNetV2 depthwise 3×3, the 512→1000
+classifier): our FP32 kernel, our INT8 kernel alone (8-bit × int8 → int32) and with the
+requantize epilogue the quantized graph fuses into it (→ uint8), each the minimum over
+``--repeats`` rounds (the machine is shared: the minimum is the least disturbed run). Modules
+are written in NHWC, so no layout transpose is timed, only the kernel (and, for INT8 on AVX2,
+the int16 stage of its input). ``--single-thread`` runs TVM on one thread and times the CPU time
+of that thread: figures that other processes on the machine barely move. Run::
+
+    python benchmarks/int8_kernels.py [--repeats 30] [--single-thread] [--target JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+SINGLE = "--single-thread" in sys.argv
+# TVM reads its thread count once, before any kernel runs.
+os.environ["TVM_NUM_THREADS"] = "1" if SINGLE else os.environ.get("TVM_NUM_THREADS", "")
+os.environ["TVM_NUM_THREADS"] = os.environ["TVM_NUM_THREADS"] or str(os.cpu_count())
+# One thread runs the kernels in the calling thread: its CPU time excludes time others took.
+_clock = time.thread_time if SINGLE else time.perf_counter
+
+import tvm  # noqa: E402
+from tvm import relax  # noqa: E402
+
+from profiler.schedules import build, host_target  # noqa: E402
+
+# name: (channels in, channels out, size, kernel, stride, groups); kernel 0 is a dense layer.
+SHAPES = {
+    "conv3x3 64x56x56": (64, 64, 56, 3, 1, 1),
+    "conv3x3 512x7x7": (512, 512, 7, 3, 1, 1),
+    "conv3x3 s2 128x28x28": (64, 128, 56, 3, 2, 1),
+    "conv1x1 64->256 56x56": (64, 256, 56, 1, 1, 1),
+    "depthwise3x3 144x56x56": (144, 144, 56, 3, 1, 144),
+    "dense 512->1000": (512, 1000, 1, 0, 1, 1),
+}
+
+
+def _const(value: np.ndarray) -> relax.Constant:
+    return relax.const(value, str(value.dtype))
+
+
+def _module(shape, dtype: str, requantize: bool) -> tuple[tvm.IRModule, np.ndarray]:
+    """The layer in NHWC/OHWI (dense: [1, K] × [K, N]) on ``dtype`` inputs, and an input."""
+    c_in, c_out, size, kernel, stride, groups = shape
+    rng = np.random.default_rng(0)
+    integer = dtype != "float32"
+    x_shape = (1, c_in) if kernel == 0 else (1, size, size, c_in)
+    w_shape = (c_in, c_out) if kernel == 0 else (c_out, kernel, kernel, c_in // groups)
+    if integer:
+        x = rng.integers(0, 256, x_shape).astype("uint8")
+        w = rng.integers(-127, 128, w_shape).astype("int8")
+    else:
+        x = rng.normal(size=x_shape).astype("float32")
+        w = rng.normal(size=w_shape).astype("float32")
+    out_dtype = "int32" if integer else "float32"
+    bb = relax.BlockBuilder()
+    data = relax.Var("x", relax.TensorType(x_shape, dtype))
+    with bb.function("main", [data]):
+        with bb.dataflow():
+            if kernel == 0:
+                y = bb.emit(relax.op.matmul(data, _const(w), out_dtype=out_dtype))
+            else:
+                y = bb.emit(
+                    relax.op.nn.conv2d(
+                        data,
+                        _const(w),
+                        strides=stride,
+                        padding=kernel // 2,
+                        groups=groups,
+                        data_layout="NHWC",
+                        kernel_layout="OHWI",
+                        out_dtype=out_dtype,
+                    )
+                )
+            if requantize:
+                y = _requantize(bb, y, c_out, rng)
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get(), x
+
+
+def _requantize(bb: relax.BlockBuilder, acc, channels: int, rng) -> relax.Var:
+    """bias, int64 fixed-point multiply, rounding shift, zero point, clamp, uint8."""
+    acc = bb.emit(relax.op.add(acc, _const(rng.integers(-999, 999, channels).astype("int32"))))
+    wide = bb.emit(relax.op.astype(acc, "int64"))
+    wide = bb.emit(relax.op.multiply(wide, _const(rng.integers(2**30, 2**31, channels))))
+    shift = rng.integers(36, 40, channels)
+    wide = bb.emit(relax.op.add(wide, _const(np.int64(1) << (shift - 1))))
+    wide = bb.emit(relax.op.right_shift(wide, _const(shift)))
+    out = bb.emit(relax.op.add(relax.op.astype(wide, "int32"), _const(np.int32(3))))
+    return bb.emit(relax.op.astype(relax.op.clip(out, 0, 255), "uint8"))
+
+
+def _runner(shape, dtype: str, requantize: bool, target):
+    mod, x = _module(shape, dtype, requantize)
+    vm = relax.VirtualMachine(build(mod, target), tvm.cpu())
+    arg = tvm.runtime.tensor(x)
+    return lambda: vm["main"](arg)
+
+
+def _once_ms(fn, number: int) -> float:
+    start = _clock()
+    for _ in range(number):
+        fn()
+    return (_clock() - start) / number * 1e3
+
+
+def measure(name: str, repeats: int, target) -> dict:
+    shape = SHAPES[name]
+    runners = {
+        "fp32_ms": _runner(shape, "float32", False, target),
+        "int8_ms": _runner(shape, "uint8", False, target),
+        "int8_requant_ms": _runner(shape, "uint8", True, target),
+    }
+    # Calibrate the calls per round on the FP32 kernel (~20 ms a round), then interleave the
+    # variants round by round so that a busy spell on the shared machine hits all of them.
+    runners["fp32_ms"]()
+    number = max(1, int(20 / max(_once_ms(runners["fp32_ms"], 3), 1e-3)))
+    best = dict.fromkeys(runners, float("inf"))
+    for _ in range(repeats):
+        for key, fn in runners.items():
+            best[key] = min(best[key], _once_ms(fn, number))
+    return {"shape": name, **best, "speedup": best["fp32_ms"] / best["int8_requant_ms"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--target", type=json.loads, default=None, help="Target as JSON")
+    parser.add_argument("--single-thread", action="store_true", help="one thread, CPU time")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    target = tvm.target.Target(args.target) if args.target else host_target()
+    print(f"target {target}, {os.environ['TVM_NUM_THREADS']} thread(s)")
+    print(f"{'shape':26s} {'fp32 ms':>9s} {'int8 ms':>9s} {'+requant':>9s} {'fp32/int8':>9s}")
+    rows = []
+    for name in SHAPES:
+        row = measure(name, args.repeats, target)
+        rows.append(row)
+        print(
+            f"{name:26s} {row['fp32_ms']:9.3f} {row['int8_ms']:9.3f} "
+            f"{row['int8_requant_ms']:9.3f} {row['speedup']:8.2f}x"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

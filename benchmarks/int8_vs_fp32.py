@@ -1,0 +1,164 @@
+"""INT8 latency: our x86 INT8 build vs our FP32 build vs onnxruntime FP32 and INT8, one process.
+
+For each model: a profile on ``--samples`` seeded random samples (``rangeprof profile --data
+random``), qparams from it with the x86 policy (``--method``), our INT8 build
+(``byoc_plugins``: x86 plugin, fast CPU path), our FP32 build (``profiler.schedules.build``),
+onnxruntime FP32, and onnxruntime INT8 (``quantize_static``: QDQ, per-channel int8 weights,
+uint8 activations, calibrated (MinMax) on the same samples, after its recommended
+``quant_pre_process``). Median latency over ``--runs``
+runs of one more random input, and each INT8 model's output SQNR against its own FP32 model on
+``--samples`` inputs. Run::
+
+    python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count()))
+
+import profiler  # noqa: E402, F401, I001  (before onnxruntime.quantization: tests/conftest.py)
+import onnxruntime as ort  # noqa: E402
+import tvm  # noqa: E402
+from onnxruntime import quantization as ortq  # noqa: E402
+from tvm import relax  # noqa: E402
+
+from benchmarks.fp32_latency import median_ms  # noqa: E402
+from byoc_plugins.plugin import get_plugin  # noqa: E402
+from byoc_plugins.quantized import qparams_from_profile, quantize_model  # noqa: E402
+from profiler.data import model_inputs, open_data  # noqa: E402
+from profiler.importer import import_onnx  # noqa: E402
+from profiler.onnx_load import load_model  # noqa: E402
+from profiler.profiling import ProfileOptions, profile_model  # noqa: E402
+from profiler.schedules import build  # noqa: E402
+
+
+def _sqnr(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
+    signal = sum(float(np.square(r.astype(np.float64)).sum()) for r in ref)
+    noise = sum(
+        float(np.square(r.astype(np.float64) - g).sum()) for r, g in zip(ref, got, strict=True)
+    )
+    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+
+
+class _Reader(ortq.CalibrationDataReader):
+    def __init__(self, batches: list[dict]):
+        self.batches = iter(batches)
+
+    def get_next(self):
+        return next(self.batches, None)
+
+
+def measure(name: str, samples: int, runs: int, method: str) -> dict:
+    path = MODELS / f"{name}.onnx"
+    loaded = load_model(path)
+    data = open_data("random", model_inputs(loaded.facts), samples=samples + 1)
+    batches = list(data.batches())
+    calibration, probe = batches[:samples], batches[samples]
+    x86 = get_plugin("x86")
+
+    start = time.perf_counter()
+    profile = profile_model(path, "random", options=ProfileOptions(samples=samples))
+    profile_s = time.perf_counter() - start
+    qm = quantize_model(path, qparams_from_profile(profile, x86, method, 99.99), x86)
+    start = time.perf_counter()
+    int8_vm = relax.VirtualMachine(x86.compile(qm.lower()[0]), tvm.cpu())
+    int8_build_s = time.perf_counter() - start
+    fp32_vm = relax.VirtualMachine(build(import_onnx(loaded).mod), tvm.cpu())
+
+    fp32_session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory() as tmp:
+        # onnxruntime's recommended pre-processing (shape inference, batch norms fused into
+        # convs) before quantize_static.
+        prepared, quantized = Path(tmp) / "prepared.onnx", Path(tmp) / "int8.onnx"
+        ortq.quant_pre_process(str(path), str(prepared))
+        ortq.quantize_static(
+            str(prepared),
+            str(quantized),
+            _Reader(calibration),
+            quant_format=ortq.QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=ortq.QuantType.QUInt8,
+            weight_type=ortq.QuantType.QInt8,
+        )
+        int8_session = ort.InferenceSession(str(quantized), providers=["CPUExecutionProvider"])
+
+    def ours(vm, feeds):
+        out = vm["main"](*(tvm.runtime.tensor(a) for a in feeds.values()))
+        return out.numpy()
+
+    def theirs(session, feeds):
+        return session.run(None, feeds)[0]
+
+    sqnr = {
+        "ours": _sqnr(
+            [ours(fp32_vm, b) for b in calibration], [ours(int8_vm, b) for b in calibration]
+        ),
+        "ort": _sqnr(
+            [theirs(fp32_session, b) for b in calibration],
+            [theirs(int8_session, b) for b in calibration],
+        ),
+    }
+    args = [tvm.runtime.tensor(a) for a in probe.values()]
+    ms = {
+        "ours_fp32": median_ms(lambda: fp32_vm["main"](*args), runs),
+        "ours_int8": median_ms(lambda: int8_vm["main"](*args), runs),
+        "ort_fp32": median_ms(lambda: fp32_session.run(None, probe), runs),
+        "ort_int8": median_ms(lambda: int8_session.run(None, probe), runs),
+    }
+    return {
+        "model": name,
+        "method": method,
+        "samples": samples,
+        "profile_s": round(profile_s, 2),
+        "int8_build_s": round(int8_build_s, 2),
+        "regions": len(qm.regions),
+        "ms": {k: round(v, 3) for k, v in ms.items()},
+        "int8_speedup_over_our_fp32": round(ms["ours_fp32"] / ms["ours_int8"], 3),
+        "ours_int8_vs_ort_int8": round(ms["ours_int8"] / ms["ort_int8"], 3),
+        "output_sqnr_db": {k: round(v, 2) for k, v in sqnr.items()},
+    }
+
+
+def main() -> None:
+    logging.getLogger().setLevel(logging.ERROR)  # onnxruntime's quantizer warns per weight
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--method", default="percentile")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        row = measure(name, args.samples, args.runs, args.method)
+        rows.append(row)
+        ms = row["ms"]
+        print(
+            f"{name:<13} ours fp32 {ms['ours_fp32']:7.2f} ms  int8 {ms['ours_int8']:7.2f} ms "
+            f"({row['int8_speedup_over_our_fp32']:.2f}x) | ort fp32 {ms['ort_fp32']:7.2f} ms  "
+            f"int8 {ms['ort_int8']:7.2f} ms | ours int8 / ort int8 "
+            f"{row['ours_int8_vs_ort_int8']:.2f} | SQNR ours {row['output_sqnr_db']['ours']} dB, "
+            f"ort {row['output_sqnr_db']['ort']} dB",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"machine": os.uname().nodename, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The deployable artifact of ``rangeprof build``: a shared library and its manifest.
+
+``DIR/model.so`` is the compiled program (loadable by the TVM runtime of the target:
+``relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())``) and ``DIR/manifest.json``
+says what is in it: the model (name, sha256), the target and its quantization policy, the
+calibration the qparams came from, every region with its profileIDs, its input / output qparams
+its mode (``int8``, or ``fp32`` with the reason) and what the target made of it (the npu's
+tile plan), the library's sha256 and the timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from .lowering import FP32, INT8
+from .quantized import QuantizedModel
+
+LIBRARY = "model.so"
+MANIFEST = "manifest.json"
+
+
+def build_artifact(qm: QuantizedModel, out_dir: Path, kept_fp32: frozenset[str] = frozenset()):
+    """Compiles ``qm`` for its plugin's target into ``out_dir``; returns the manifest."""
+    start = time.perf_counter()
+    modes = {r.name: FP32 if r.fallback or r.output_id in kept_fp32 else INT8 for r in qm.regions}
+    mod, _ = qm.lower(modes)
+    executable = qm.plugin.compile(mod)
+    compiled = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    library = out_dir / LIBRARY
+    qm.plugin.export(executable, library)
+    manifest = qm.manifest()
+    details = qm.plugin.describe(mod) if qm.plugin.describe else {}
+    for region in manifest["regions"]:
+        region["mode"] = modes[region["name"]]
+        if f"{region['name']}_int8" in details:
+            region["target"] = details[f"{region['name']}_int8"]
+    manifest.update(
+        library=LIBRARY,
+        library_sha256=hashlib.sha256(library.read_bytes()).hexdigest(),
+        kept_fp32=sorted(kept_fp32),
+        timings={
+            "compile_s": round(compiled - start, 3),
+            "export_s": round(time.perf_counter() - compiled, 3),
+        },
+    )
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest

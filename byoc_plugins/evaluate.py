@@ -1,0 +1,250 @@
+"""How much accuracy INT8 costs, per model and per layer (keyed by profileID).
+
+Three programs built from one :class:`~byoc_plugins.quantized.QuantizedModel`, each exposing
+every region's output (:func:`~byoc_plugins.lowering.lower` with ``expose``):
+
+* **fp32**: every region FP32 — the reference, layer by layer;
+* **int8**: the regions as deployed (``modes``: INT8, or FP32 where kept) — *accumulated* error:
+  each layer's output after every quantized layer before it;
+* **shadow**: FP32 downstream, each region's INT8 core computed beside it on the FP32 input —
+  *isolated* error: what quantizing that layer alone costs.
+
+Per layer: SQNR ``10·log10(Σ ref² / Σ (ref − q)²)`` in dB over all samples, and the RMS error in
+units of the layer's output scale (1/√12 ≈ 0.29 is pure rounding). Per model: SQNR of the first
+output, top-1 agreement between FP32 and INT8, and top-1 accuracy of both with labels.
+
+:func:`fit_budget` keeps the most sensitive layers (lowest isolated SQNR first) in FP32 until the
+top-1 drop (or, without labels, the disagreement) is within a budget in points.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from profiler.data import model_inputs, open_data
+from profiler.errors import RangeprofError
+
+from .lowering import FP32, INT8, SHADOW
+from .quantized import QuantizedModel
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class _Error:
+    """Σ ref² and Σ (ref − q)² over every sample: SQNR and RMS error add up exactly."""
+
+    signal: float = 0.0
+    noise: float = 0.0
+    count: int = 0
+
+    def add(self, ref: np.ndarray, q: np.ndarray) -> None:
+        ref = ref.astype(np.float64)
+        self.signal += float(np.square(ref).sum())
+        self.noise += float(np.square(ref - q.astype(np.float64)).sum())
+        self.count += ref.size
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.noise == 0:
+            return math.inf
+        if self.signal == 0:
+            return -math.inf
+        return 10 * math.log10(self.signal / self.noise)
+
+    @property
+    def rmse(self) -> float:
+        return math.sqrt(self.noise / self.count) if self.count else 0.0
+
+
+def _db(value: float) -> float | None:
+    """JSON has no infinities: an exact match (no noise) is reported as ``None``."""
+    return None if math.isinf(value) else round(value, 3)
+
+
+@dataclass
+class LayerError:
+    profile_id: str
+    region: str
+    pattern: str
+    mode: str
+    scale: float | None
+    isolated: _Error = field(default_factory=_Error)
+    accumulated: _Error = field(default_factory=_Error)
+
+    def to_json(self) -> dict:
+        scale = self.scale or 1.0
+        return {
+            "profile_id": self.profile_id,
+            "region": self.region,
+            "pattern": self.pattern,
+            "mode": self.mode,
+            "isolated_sqnr_db": _db(self.isolated.sqnr_db),
+            "accumulated_sqnr_db": _db(self.accumulated.sqnr_db),
+            "isolated_rmse_per_scale": round(self.isolated.rmse / scale, 4),
+            "accumulated_rmse_per_scale": round(self.accumulated.rmse / scale, 4),
+        }
+
+
+@dataclass
+class Evaluation:
+    samples: int
+    output: _Error
+    agree: int
+    fp32_correct: int | None
+    int8_correct: int | None
+    layers: list[LayerError]
+    kept_fp32: list[str] = field(default_factory=list)  # profileIDs of regions kept in FP32
+
+    @property
+    def agreement(self) -> float:
+        return 100.0 * self.agree / self.samples
+
+    @property
+    def fp32_top1(self) -> float | None:
+        return None if self.fp32_correct is None else 100.0 * self.fp32_correct / self.samples
+
+    @property
+    def int8_top1(self) -> float | None:
+        return None if self.int8_correct is None else 100.0 * self.int8_correct / self.samples
+
+    @property
+    def drop(self) -> float:
+        """Top-1 points lost (with labels), else the disagreement in points."""
+        if self.fp32_correct is None:
+            return 100.0 - self.agreement
+        return self.fp32_top1 - self.int8_top1
+
+    def ranked(self) -> list[LayerError]:
+        """Worst isolated SQNR first (the sensitivity ranking)."""
+        return sorted(self.layers, key=lambda e: (e.isolated.sqnr_db, e.accumulated.sqnr_db))
+
+    def to_json(self) -> dict:
+        doc = {
+            "samples": self.samples,
+            "agreement": round(self.agreement, 3),
+            "output_sqnr_db": _db(self.output.sqnr_db),
+            "layers": [e.to_json() for e in self.ranked()],
+            "kept_fp32": self.kept_fp32,
+        }
+        if self.fp32_correct is not None:
+            doc["fp32_top1"] = round(self.fp32_top1, 3)
+            doc["int8_top1"] = round(self.int8_top1, 3)
+        return doc
+
+
+def _first(value) -> tvm.runtime.Tensor:
+    while not isinstance(value, tvm.runtime.Tensor):
+        value = value[0]
+    return value
+
+
+class _Program:
+    def __init__(self, qm: QuantizedModel, modes: dict[str, str]):
+        mod, self.ids = qm.lower(modes, expose=True)
+        self.vm = relax.VirtualMachine(qm.plugin.compile(mod), tvm.cpu())
+
+    def run(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        result = self.vm["main"](*(tvm.runtime.tensor(a) for a in inputs))
+        return _first(result[0]).numpy(), [result[i + 1].numpy() for i in range(len(self.ids))]
+
+
+def evaluate(
+    qm: QuantizedModel,
+    data: str,
+    labels: np.ndarray | None = None,
+    samples: int | None = None,
+    kept_fp32: frozenset[str] = frozenset(),
+    progress: Progress | None = None,
+    compiled: dict | None = None,
+) -> Evaluation:
+    """FP32 vs INT8 on ``data`` (a :func:`profiler.data.open_data` spec); regions whose output
+    profileID is in ``kept_fp32`` stay FP32. ``compiled`` caches programs across calls: the
+    FP32 and shadow programs do not depend on ``kept_fp32``, and the FP32 one not on the
+    qparams either (:meth:`~byoc_plugins.quantized.QuantizedModel.replanned` models share it)."""
+    loaded = qm.imported.loaded
+    batch = next(iter(loaded.input_shapes.values()))[0]
+    source = open_data(data, model_inputs(loaded.facts), batch_size=batch, samples=samples)
+    if labels is not None and len(labels) < source.num_samples:
+        raise RangeprofError(f"{len(labels)} labels for {source.num_samples} samples")
+    quantizable = [r for r in qm.regions if r.fallback is None]
+    modes = {r.name: FP32 if r.output_id in kept_fp32 else INT8 for r in quantizable}
+    stages = [
+        ("fp32", {r.name: FP32 for r in qm.regions}),
+        ("int8", modes),
+        ("shadow", {r.name: SHADOW for r in quantizable}),
+    ]
+    compiled = {} if compiled is None else compiled
+    programs = {}
+    for index, (name, stage_modes) in enumerate(stages):
+        key = (name, tuple(sorted(stage_modes.items())))
+        if name != "fp32":
+            key += (tuple((r.name, r.input, r.output) for r in qm.regions),)
+        if key not in compiled:
+            if progress:
+                progress(f"compiling {name}", index, len(stages))
+            compiled[key] = _Program(qm, stage_modes)
+        programs[name] = compiled[key]
+    layers = [
+        LayerError(
+            r.output_id, r.name, r.pattern, modes[r.name], r.output.scale if r.output else None
+        )
+        for r in quantizable
+    ]
+    position = {name: {pid: i for i, pid in enumerate(p.ids)} for name, p in programs.items()}
+    output, agree, fp32_ok, int8_ok, seen = _Error(), 0, 0, 0, 0
+    for batch_arrays in source.batches():
+        inputs = list(batch_arrays.values())
+        ref, ref_layers = programs["fp32"].run(inputs)
+        got, got_layers = programs["int8"].run(inputs)
+        _, shadow_layers = programs["shadow"].run(inputs)
+        output.add(ref, got)
+        ref_top, got_top = ref.reshape(len(ref), -1).argmax(1), got.reshape(len(got), -1).argmax(1)
+        agree += int((ref_top == got_top).sum())
+        if labels is not None:
+            truth = labels[seen : seen + len(ref)]
+            fp32_ok += int((ref_top == truth).sum())
+            int8_ok += int((got_top == truth).sum())
+        for layer in layers:
+            reference = ref_layers[position["fp32"][layer.profile_id]]
+            layer.accumulated.add(reference, got_layers[position["int8"][layer.profile_id]])
+            layer.isolated.add(reference, shadow_layers[position["shadow"][layer.profile_id]])
+        seen += len(ref)
+        if progress:
+            progress("evaluating", seen, source.num_samples)
+    return Evaluation(
+        samples=seen,
+        output=output,
+        agree=agree,
+        fp32_correct=fp32_ok if labels is not None else None,
+        int8_correct=int8_ok if labels is not None else None,
+        layers=layers,
+        kept_fp32=sorted(kept_fp32),
+    )
+
+
+def fit_budget(
+    qm: QuantizedModel,
+    data: str,
+    budget: float,
+    labels: np.ndarray | None = None,
+    samples: int | None = None,
+    progress: Progress | None = None,
+    compiled: dict | None = None,
+) -> Evaluation:
+    """The evaluation with the fewest regions kept FP32 (most sensitive first) whose drop is
+    within ``budget`` points; all of them FP32 is the last resort."""
+    compiled = {} if compiled is None else compiled
+    result = evaluate(qm, data, labels, samples, progress=progress, compiled=compiled)
+    ranking = [e.profile_id for e in result.ranked()]
+    kept: list[str] = []
+    while result.drop > budget and len(kept) < len(ranking):
+        kept.append(ranking[len(kept)])
+        result = evaluate(qm, data, labels, samples, frozenset(kept), progress, compiled)
+    return result

@@ -1,0 +1,298 @@
+"""Lowering regions to integer code: the quantized form every target compiles.
+
+Each INT8 region's composite call in ``main`` becomes
+
+    x_q = quantize(x, s_x, z_x)            # FP32 -> 8 bits, at the region boundary
+    y_q = core(x_q)                        # integer only (below)
+    y   = dequantize(y_q, s_y, z_y)        # back to FP32 for whatever consumes it
+
+and the **core** (:func:`integer_core`) is, in plain Relax integer operators:
+``pad`` with ``z_x`` → ``conv2d`` / ``matmul`` (8-bit × int8 → int32) → ``+ bias`` (int32) →
+fixed-point requantize (int64 multiply, add the rounding constant, arithmetic shift) →
+``+ z_y`` → clamp → 8 bits (formulas in :mod:`.policy`). A region whose input is the output of
+another INT8 region with the same qparams takes that region's ``y_q`` directly: chains of
+regions stay in 8 bits, and dequantize / quantize pairs are left only where an FP32 operator
+sits between them.
+
+How the core is compiled is the target's business: inline in ``main`` for the LLVM targets (x86,
+aarch64: :mod:`profiler.schedules` gives the integer convolutions their kernels), or as a
+function of its own marked ``Codegen`` for an external code generator (npu).
+
+Modes per region: ``int8``; ``fp32`` (the composite's FP32 body inline: a fallback, or the FP32
+reference); ``shadow`` (FP32 downstream, and the INT8 core computed on the same FP32 input on the
+side: one build measures every layer's *isolated* error). With ``expose``, ``main`` returns
+``(outputs, *region outputs)`` — the dequantized INT8 output of each int8 / shadow region, the
+FP32 output of each fp32 region — in region order. Inlined bindings carry the region's
+profileIDs, so lineage holds through the lowered IR.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from profiler.spans import with_ids
+
+from .patterns import CONV2D
+from .policy import (
+    ActivationQ,
+    QuantPolicy,
+    fixed_point,
+    int32_bias,
+    output_clamp,
+    quantize_weights,
+)
+from .regions import Region
+
+INT8, FP32, SHADOW = "int8", "fp32", "shadow"
+MODES = (INT8, FP32, SHADOW)
+_LOWERED = "main__lowered"
+
+
+def _const(value, dtype: str) -> relax.Constant:
+    return relax.const(np.asarray(value).astype(dtype), dtype)
+
+
+def integer_core(
+    region: Region, policy: QuantPolicy, in_shape, name: str, integer_output: bool = True
+) -> relax.Function:
+    """The region's integer computation as a function of its quantized input; without
+    ``integer_output`` the int32 accumulator is scaled to FP32 (``s_x · s_c · acc``) instead of
+    requantized, for a region whose consumers are FP32 operators."""
+    fr = region.float_region
+    x, y = region.input, region.output
+    wq, w_scales = quantize_weights(fr.weight, fr.channel_axis, policy)
+    bias = int32_bias(fr.bias, wq, fr.channel_axis, x, w_scales)
+    channels = wq.shape[fr.channel_axis]
+
+    bb = relax.BlockBuilder()
+    xq = relax.Var("xq", relax.TensorType(in_shape, x.dtype))
+    with bb.function(name, [xq]):
+        with bb.dataflow():
+            if fr.kind == CONV2D:
+                per_channel = (1, channels, 1, 1)
+                data, padding = xq, fr.attrs["padding"]
+                if any(padding) and x.zero_point != 0:
+                    top, left, bottom, right = padding
+                    widths = [0, 0, 0, 0, top, bottom, left, right]
+                    data = bb.emit(relax.op.nn.pad(xq, widths, pad_value=float(x.zero_point)))
+                    padding = [0, 0, 0, 0]
+                acc = relax.op.nn.conv2d(
+                    data,
+                    _const(wq, "int8"),
+                    strides=fr.attrs["strides"],
+                    padding=padding,
+                    dilation=fr.attrs["dilation"],
+                    groups=fr.attrs["groups"],
+                    out_dtype="int32",
+                )
+            else:
+                per_channel = (channels,)
+                acc = relax.op.matmul(xq, _const(wq, "int8"), out_dtype="int32")
+            acc = bb.emit(acc)
+            acc = bb.emit(relax.op.add(acc, _const(bias.reshape(per_channel), "int32")))
+            if integer_output:
+                multiplier, shift = fixed_point(x.scale * w_scales / y.scale)
+                bounds = output_clamp(y, fr.clamp)
+                out = _requantize(bb, acc, multiplier, shift, per_channel, y, bounds)
+            else:
+                out = _float_output(bb, acc, x.scale * w_scales, per_channel, fr.clamp)
+        bb.emit_func_output(out)
+    return bb.get()[name]
+
+
+def _requantize(bb, acc, multiplier, shift, per_channel, y: ActivationQ, bounds):
+    """``((acc · M + 2^(S−1)) >> S) + z_y``, clamped, in ``y``'s 8-bit type."""
+    wide = bb.emit(relax.op.astype(acc, "int64"))
+    wide = bb.emit(relax.op.multiply(wide, _const(multiplier.reshape(per_channel), "int64")))
+    half = (np.int64(1) << (shift - 1)).reshape(per_channel)
+    wide = bb.emit(relax.op.add(wide, _const(half, "int64")))
+    wide = bb.emit(relax.op.right_shift(wide, _const(shift.reshape(per_channel), "int64")))
+    out = bb.emit(relax.op.astype(wide, "int32"))
+    out = bb.emit(relax.op.add(out, _const(y.zero_point, "int32")))
+    out = bb.emit(relax.op.maximum(out, _const(bounds[0], "int32")))
+    out = bb.emit(relax.op.minimum(out, _const(bounds[1], "int32")))
+    return bb.emit_output(relax.op.astype(out, y.dtype))
+
+
+def _float_output(bb: relax.BlockBuilder, acc, scales: np.ndarray, per_channel, clamp):
+    """``s_x · s_c · acc`` in FP32, then the ReLU / Clip epilogue."""
+    out = bb.emit(relax.op.astype(acc, "float32"))
+    out = relax.op.multiply(out, _const(scales.reshape(per_channel), "float32"))
+    if clamp is not None:
+        out = relax.op.maximum(bb.emit(out), _const(clamp[0], "float32"))
+        if np.isfinite(clamp[1]):
+            out = relax.op.minimum(bb.emit(out), _const(clamp[1], "float32"))
+    return bb.emit_output(out)
+
+
+def _inline(bb: relax.BlockBuilder, func: relax.Function, args, ids, result: relax.Var | None):
+    """Emits ``func``'s bindings (flat operator calls) with its params bound to ``args``;
+    the last value is bound to ``result`` when given. Returns the value's Var."""
+    remap = dict(zip(func.params, args, strict=True))
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    out = None
+    for index, binding in enumerate(bindings):
+        call = binding.value
+        new_args = [remap.get(a, a) for a in call.args]
+        value = relax.Call(call.op, new_args, call.attrs, call.ty_args, ret_ty=call.ty)
+        value = with_ids(value, ids)
+        if result is not None and index == len(bindings) - 1:
+            bb.emit_normalized(relax.VarBinding(result, value))
+            out = result
+        else:
+            out = bb.emit(value)
+        remap[binding.var] = out
+    return out
+
+
+def _vars_in(expr) -> list[relax.Var]:
+    found: list[relax.Var] = []
+    relax.analysis.post_order_visit(
+        expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None
+    )
+    return found
+
+
+def _boundary(bb: relax.BlockBuilder, op, data, q: ActivationQ, ids, out_dtype: str):
+    """A per-tensor ``quantize`` / ``dequantize`` call, typed, carrying ``ids``."""
+    scale = _const(q.scale, "float32")
+    zero = _const(q.zero_point, "int32")
+    return with_ids(bb.normalize(op(data, scale, zero, axis=-1, out_dtype=out_dtype)), ids)
+
+
+class _Lowerer:
+    def __init__(self, mod, regions, modes, policy, external):
+        self.mod = mod
+        self.by_name = {r.name: r for r in regions}
+        self.modes = modes
+        self.policy = policy
+        self.external = external
+        self.bb = relax.BlockBuilder(mod)
+        self.quantized: dict[relax.Var, tuple[relax.Expr, ActivationQ]] = {}
+        self.exposed: list[tuple[str, relax.Expr]] = []
+        self.integer_outputs = self._integer_outputs()
+
+    def _mode(self, region: Region) -> str:
+        return self.modes.get(region.name, FP32 if region.fallback else INT8)
+
+    def _integer_outputs(self) -> set[str]:
+        """Regions whose output stays 8-bit: every consumer is a quantized region taking the
+        same qparams (or the policy wants integer outputs everywhere)."""
+        main = self.mod["main"]
+        calls: dict[relax.Var, Region] = {}
+        consumers: dict[relax.Var, list[Region | None]] = {}
+        for block in main.body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                callee = getattr(value, "op", None)
+                region = None
+                if isinstance(callee, tvm.ir.GlobalVar):
+                    region = self.by_name.get(callee.name_hint)
+                if region is not None:
+                    calls[binding.var] = region
+                for var in _vars_in(value):
+                    consumers.setdefault(var, []).append(region)
+        consumers.setdefault(main.body.body, []).append(None)
+        keep = set()
+        for var, region in calls.items():
+            users = consumers.get(var, [])
+            quantized_users = all(
+                user is not None and self._mode(user) != FP32 and user.input == region.output
+                for user in users
+            )
+            if self.policy.integer_outputs or (users and quantized_users):
+                keep.add(region.name)
+        return keep
+
+    def _core(self, region: Region, xq) -> relax.Expr:
+        shape = [int(d) for d in xq.ty.shape.values]
+        name = f"{region.name}_int8"
+        integer = region.name in self.integer_outputs
+        core = integer_core(region, self.policy, shape, name, integer)
+        if self.external is None:
+            return _inline(self.bb, core, [xq], region.profile_ids, None)
+        attrs = {"Codegen": self.external, "global_symbol": name}
+        gvar = self.bb.add_func(core.with_attrs(attrs), name)
+        call = self.bb.normalize(relax.Call(gvar, [xq]))
+        return self.bb.emit(with_ids(call, region.profile_ids))
+
+    def _int8(self, region: Region, data, result: relax.Var | None) -> relax.Expr:
+        ids = region.profile_ids
+        x = region.input
+        twin = self.quantized.get(data)
+        if twin is not None and twin[1] == x:
+            xq = twin[0]
+        else:
+            xq = self.bb.emit(_boundary(self.bb, relax.op.quantize, data, x, ids, x.dtype))
+        yq = self._core(region, xq)
+        if region.name not in self.integer_outputs:
+            y = yq  # already FP32
+        else:
+            y = _boundary(self.bb, relax.op.dequantize, yq, region.output, ids, "float32")
+        if result is None:
+            return y if isinstance(y, relax.Var) else self.bb.emit(y)
+        self.bb.emit_normalized(relax.VarBinding(result, y))
+        if region.name in self.integer_outputs:
+            self.quantized[result] = (yq, region.output)
+        return result
+
+    def binding(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        region = None
+        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar):
+            region = self.by_name.get(value.op.name_hint)
+        if region is None:
+            self.bb.emit_normalized(binding)
+            return
+        mode = self._mode(region)
+        if mode != FP32 and region.fallback:
+            raise ValueError(f"{region.name} has no qparams: {region.fallback}")
+        data = value.args[0]
+        func = self.mod[value.op]
+        if mode == INT8:
+            out = self._int8(region, data, binding.var)
+        else:
+            out = _inline(self.bb, func, value.args, region.profile_ids, binding.var)
+            if mode == SHADOW:
+                out = self._int8(region, data, None)
+        self.exposed.append((region.output_id if region.output else region.name, out))
+
+    def lower(self, expose: bool) -> tuple[tvm.IRModule, list[str]]:
+        main = self.mod["main"]
+        with self.bb.function(_LOWERED, list(main.params), attrs=dict(main.attrs)):
+            with self.bb.dataflow():
+                for block in main.body.blocks:
+                    for binding in block.bindings:
+                        self.binding(binding)
+                result = main.body.body
+                if expose:
+                    fields = [result, *(v for _, v in self.exposed)]
+                    result = self.bb.emit_output(relax.Tuple(fields))
+            self.bb.emit_func_output(result)
+        lowered = self.bb.get()
+        lowered["main"] = lowered[_LOWERED].with_attr("global_symbol", "main")
+        for name in [_LOWERED, *self.by_name]:
+            del lowered[name]
+        lowered = relax.transform.DeadCodeElimination(["main"])(lowered)
+        return lowered, [i for i, _ in self.exposed] if expose else []
+
+
+def lower(
+    mod: tvm.IRModule,
+    regions: Sequence[Region],
+    policy: QuantPolicy,
+    modes: dict[str, str] | None = None,
+    expose: bool = False,
+    external: str | None = None,
+) -> tuple[tvm.IRModule, list[str]]:
+    """``mod`` (partitioned, :func:`~byoc_plugins.regions.partition`) with each region lowered
+    by its mode (default ``int8``, ``fp32`` for regions without qparams); returns the module and
+    the profileIDs of the exposed outputs."""
+    for name, mode in (modes or {}).items():
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} for {name}")
+    return _Lowerer(mod, regions, modes or {}, policy, external).lower(expose)

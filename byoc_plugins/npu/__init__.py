@@ -1,0 +1,60 @@
+"""npu: an NPU-style accelerator, programmed through an external codegen that emits C.
+
+The integer cores of the INT8 regions (conv2d — dense, depthwise, grouped, any stride, dilation
+and padding — and matmul) are functions marked ``Codegen: rangeprof_npu``; the codegen
+(:mod:`.codegen`, registered on import as ``relax.ext.rangeprof_npu``) emits C for them: int8
+kernels with int32 accumulation, fixed-point requantization (int32 multiplier + shift), tiled
+to the on-chip buffer (:mod:`.tiling`; ``sram_kb`` or ``$RANGEPROF_NPU_SRAM_KB``, 256 KB by
+default). Everything else — the FP32 operators, quantize / dequantize at the region boundaries
+— is the host's, built by :func:`profiler.schedules.build`. Both land in one shared library.
+
+The policy is x86's (asymmetric uint8 activations, symmetric per-channel int8 weights, so the
+same qparams), except that, being integer-only, the NPU requantizes every region output to 8
+bits, also those x86 hands to FP32 operators as scaled int32 accumulators. The arithmetic is the
+same bit for bit: an npu build's outputs equal those of an x86 build with this policy.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from profiler.schedules import build, host_target
+
+from ..patterns import pattern_table
+from ..plugin import Plugin
+from ..policy import QuantPolicy
+from .codegen import NAME, c_program, sram_bytes, tile_plans
+
+__all__ = ["PLUGIN", "c_program", "compile_npu", "tile_plans"]
+
+
+def compile_npu(mod: tvm.IRModule, sram_kb: int | None = None) -> tvm.runtime.Executable:
+    """The lowered module (``lower(..., external="rangeprof_npu")``) as one executable: the NPU
+    regions as C (compiled on export or first run), the rest for the host CPU."""
+    sram_kb = sram_bytes(sram_kb) // 1024  # the argument, else the environment, else 256
+    # Read and tile every core here first: a core the NPU cannot run fails with its own
+    # error, not one wrapped by RunCodegen's C++ frame.
+    tile_plans(mod, sram_kb)
+    mod = relax.transform.RunCodegen({NAME: {"sram_kb": sram_kb}})(mod)
+    # RunCodegen also lifts the cores' constants into the module for runtimes that take them
+    # at load time; the C embeds them, so keeping them would store every weight twice.
+    mod = mod.without_attr("const_name_to_constant")
+    return build(mod, host_target(), fold_scales=False)
+
+
+def describe(mod: tvm.IRModule) -> dict[str, dict]:
+    """Each offloaded region's tile plan, for the artifact's manifest."""
+    return {symbol: plan.to_json() for symbol, plan in tile_plans(mod).items()}
+
+
+PLUGIN = Plugin(
+    name="npu",
+    description="NPU-style accelerator: INT8 conv2d / matmul as tiled C, fixed-point requantize",
+    policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8", integer_outputs=True),
+    patterns=lambda: pattern_table(NAME),
+    target=host_target,
+    compile=compile_npu,
+    external=NAME,
+    describe=describe,
+)

@@ -1,0 +1,55 @@
+"""The plugin interface: what a target declares, and the registry of targets.
+
+A plugin is three things (after the RFC's BYOC split):
+
+* its **pattern table** — which FP32 subgraphs it offloads (:mod:`.patterns`, with constraint
+  checks);
+* its **quantization policy** (:class:`~byoc_plugins.policy.QuantPolicy`);
+* its **code generator** — how the lowered module (:mod:`.lowering`) becomes a runnable
+  artifact: ``compile(mod) -> tvm.runtime.Executable`` for the plugin's target,
+  ``export(executable, path)`` writing the shared library (a cross compiler for other
+  architectures), and, for accelerators, the name of the external codegen
+  (``relax.ext.<name>``) that receives the integer cores.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from profiler.errors import RangeprofError
+
+from .policy import QuantPolicy
+
+TARGETS = ("x86", "aarch64", "npu")
+
+
+def _export_library(executable: tvm.runtime.Executable, path: Path) -> None:
+    executable.export_library(str(path))
+
+
+@dataclass(frozen=True)
+class Plugin:
+    name: str
+    description: str
+    policy: QuantPolicy
+    patterns: Callable[[], list[relax.transform.FusionPattern]]
+    target: Callable[[], tvm.target.Target]
+    compile: Callable[[tvm.IRModule], tvm.runtime.Executable]
+    export: Callable[[tvm.runtime.Executable, Path], None] = _export_library
+    external: str | None = None  # external codegen receiving the integer cores
+    # What the target made of each region of a lowered module, by core symbol (e.g. tiling)
+    describe: Callable[[tvm.IRModule], dict[str, dict]] | None = None
+    runs_here: bool = True  # False: cross-compiled (run elsewhere, or under an emulator)
+
+
+def get_plugin(name: str) -> Plugin:
+    """The plugin of a target name (``x86``, ``aarch64``, ``npu``)."""
+    if name not in TARGETS:
+        raise RangeprofError(f"unknown target {name!r}; expected one of {', '.join(TARGETS)}")
+    return importlib.import_module(f"byoc_plugins.{name}").PLUGIN

@@ -1,0 +1,176 @@
+"""A target's quantization policy, and the integer arithmetic every target shares.
+
+The formulas (``q = round(x / s) + z``, ``x = s · (q − z)``):
+
+* **Weights** are quantized at build time from the constants the target actually multiplies —
+  after batch norms and channel scales folded into them, so not the initial weights the profile
+  saw: symmetric, ``s_c = max|W_c| / 127`` per output channel (or one scale per tensor),
+  ``z = 0``, values in ``[-127, 127]``; a channel of zeros gets ``s_c = 1``.
+* **Activations** take the QPARAMS document's scale and zero point for the region's input and
+  output profileIDs (``uint8`` or ``int8``; the document's scheme decides ``z``).
+* **Bias** is int32 in the accumulator's units ``s_x · s_c``. An activation zero point ``z_x``
+  is folded into it: ``Σ (x_q − z_x) w = Σ x_q w − z_x Σ w``, so the kernels multiply raw
+  ``x_q`` (padding pads with ``z_x``, which keeps the correction exact at the borders).
+* **Requantization** by ``m_c = s_x · s_c / s_y`` in fixed point, as integer-only hardware does:
+  ``m_c = M_c · 2^-S_c`` with ``M_c`` an int32 in ``[2^30, 2^31)``, and
+  ``y = ((acc · M_c + 2^(S_c − 1)) >> S_c) + z_y`` in int64 (round half up), clamped to the
+  output type (and to ``z_y`` from below after a ReLU). Every target computes exactly this, so
+  their integer outputs agree bit for bit.
+* ``power_of_two``: every scale is a power of two, so ``M_c = 2^30`` and requantization is a
+  shift (shift-only hardware).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from profiler.calibration import CalibrationOptions
+from profiler.errors import RangeprofError
+
+WEIGHT_MAX = 127
+_INT32 = np.iinfo(np.int32)
+_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    """What a target's integer kernels take."""
+
+    activation_scheme: str = "asym"  # the scheme a profile is calibrated with for this target
+    activation_dtype: str = "uint8"
+    weight_granularity: str = "per-channel"  # or "per-tensor"
+    power_of_two: bool = False
+    # Requantize every region output to 8 bits, also where FP32 operators consume it
+    # (integer-only hardware). Otherwise such outputs leave as ``s_x · s_c · acc`` in FP32.
+    integer_outputs: bool = False
+
+    def calibration(self, method: str = "max", percentile: float = 99.99) -> CalibrationOptions:
+        """Calibration options that give this target's activation qparams from a profile."""
+        return CalibrationOptions(
+            method=method,
+            percentile=percentile,
+            scheme=self.activation_scheme,
+            dtype=self.activation_dtype,
+            granularity="per-tensor",
+            power_of_two=self.power_of_two,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "activations": f"{self.activation_scheme} {self.activation_dtype}",
+            "weights": f"sym int8 {self.weight_granularity}",
+            "bias": "int32",
+            "requantize": "int32 multiplier + shift"
+            + (" (power-of-two scales)" if self.power_of_two else ""),
+        }
+
+
+@dataclass(frozen=True)
+class ActivationQ:
+    """Per-tensor qparams of an activation at a region boundary."""
+
+    profile_id: str
+    scale: float
+    zero_point: int
+    dtype: str
+
+    @property
+    def qmin(self) -> int:
+        return _RANGES[self.dtype][0]
+
+    @property
+    def qmax(self) -> int:
+        return _RANGES[self.dtype][1]
+
+    @classmethod
+    def from_entry(cls, entry: dict) -> ActivationQ:
+        """From a QPARAMS document entry; only per-tensor 8-bit entries fit 8-bit kernels."""
+        pid = entry["profile_id"]
+        if entry["dtype"] not in _RANGES:
+            raise RangeprofError(
+                f"qparams of {pid!r} are {entry['dtype']}; 8-bit kernels need int8 or uint8"
+            )
+        if entry["axis"] is not None:
+            raise RangeprofError(f"qparams of activation {pid!r} are per-channel; need per-tensor")
+        return cls(pid, float(entry["scale"]), int(entry["zero_point"]), entry["dtype"])
+
+    def to_json(self) -> dict:
+        return {
+            "profile_id": self.profile_id,
+            "scale": self.scale,
+            "zero_point": self.zero_point,
+            "dtype": self.dtype,
+        }
+
+
+def _power_of_two_up(scale: np.ndarray) -> np.ndarray:
+    return np.exp2(np.ceil(np.log2(scale)))
+
+
+def quantize_weights(
+    w: np.ndarray, axis: int, policy: QuantPolicy
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(w_q int8, scales float64 per output channel)`` for a float weight whose output
+    channels lie along ``axis`` (per-tensor policies repeat one scale)."""
+    moved = np.moveaxis(w.astype(np.float64), axis, 0).reshape(w.shape[axis], -1)
+    amax = np.abs(moved).max(axis=1)
+    if policy.weight_granularity == "per-tensor":
+        amax = np.full_like(amax, amax.max())
+    scales = np.where(amax > 0, amax / WEIGHT_MAX, 1.0)
+    if policy.power_of_two:
+        scales = _power_of_two_up(scales)
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    q = np.clip(np.round(w / scales.reshape(shape)), -WEIGHT_MAX, WEIGHT_MAX)
+    return q.astype(np.int8), scales
+
+
+def fixed_point(multiplier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(M int64, S int64)`` with ``multiplier ≈ M · 2^-S``, ``M`` in ``[2^30, 2^31)``."""
+    mantissa, exponent = np.frexp(np.asarray(multiplier, dtype=np.float64))
+    m = np.round(mantissa * 2.0**31).astype(np.int64)
+    carry = m == 2**31
+    m = np.where(carry, 2**30, m)
+    shift = 31 - (exponent.astype(np.int64) + carry)
+    if np.any(shift < 1):
+        raise RangeprofError(f"requantization multiplier {float(np.max(multiplier))} is too large")
+    # Tiny multipliers (a scale near zero): keep the shift within int64 arithmetic.
+    too_far = shift > 62
+    tiny = np.round(np.where(too_far, multiplier, 0.0) * 2.0**62).astype(np.int64)
+    m = np.where(too_far, tiny, m)
+    return m, np.minimum(shift, 62).astype(np.int64)
+
+
+def requantize_reference(acc: np.ndarray, m: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """The fixed-point requantization in numpy (int64), before adding the zero point."""
+    acc = acc.astype(np.int64)
+    return (acc * m + (np.int64(1) << (shift - 1))) >> shift
+
+
+def int32_bias(
+    bias: np.ndarray | None, w_q: np.ndarray, axis: int, x: ActivationQ, w_scales: np.ndarray
+) -> np.ndarray:
+    """Bias in accumulator units with the input zero point folded in (see the module doc)."""
+    channels = w_q.shape[axis]
+    b = np.zeros(channels) if bias is None else bias.astype(np.float64).reshape(channels)
+    q = np.round(b / (x.scale * w_scales))
+    sums = np.moveaxis(w_q.astype(np.int64), axis, 0).reshape(channels, -1).sum(axis=1)
+    q = q - x.zero_point * sums
+    if np.any(q < _INT32.min) or np.any(q > _INT32.max):
+        worst = float(np.max(np.abs(b)))
+        raise RangeprofError(f"bias {worst:g} does not fit int32 at input scale {x.scale:g}")
+    return q.astype(np.int32)
+
+
+def output_clamp(out: ActivationQ, clamp: tuple[float, float] | None) -> tuple[int, int]:
+    """Integer bounds of the output: the type's range, narrowed by a ReLU / Clip epilogue's
+    ``(lo, hi)`` rounded onto the grid."""
+    lo, hi = out.qmin, out.qmax
+    if clamp is not None:
+        lo = max(lo, out.zero_point + math.floor(clamp[0] / out.scale + 0.5))
+        if math.isfinite(clamp[1]):
+            hi = min(hi, out.zero_point + math.floor(clamp[1] / out.scale + 0.5))
+    return lo, hi

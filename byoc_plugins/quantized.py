@@ -1,0 +1,105 @@
+"""A model ready to quantize for one plugin: tracked, partitioned, its regions planned.
+
+:func:`quantize_model` is what ``rangeprof build`` and ``rangeprof evaluate`` start from: the
+tagged model through the tracked stages up to ``fold_scale_axis`` (weights already absorb batch
+norms and channel scales, lineage carried by every pass), partitioned by the plugin's patterns,
+each region given its qparams by profileID. :meth:`QuantizedModel.lower` then gives
+the module for any choice of region modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from profiler.calibration import calibrate
+from profiler.errors import RangeprofError
+from profiler.importer import ImportedModel, import_onnx
+from profiler.lineage import Tracked
+from profiler.onnx_load import load_model
+from profiler.passes.fold_scale_axis import FoldScaleAxis
+from profiler.schedules.prepare import prepare
+
+from .lowering import lower
+from .plugin import Plugin
+from .policy import quantize_weights
+from .regions import Region, partition, plan_regions
+
+# The tracked stages up to fold_scale_axis, with constants folded in numpy (``prepare``: what
+# the fast build does) rather than by Relax's FoldConstant, which compiles every constant op
+# (12 s on ppocr_cls); ``prepare`` also turns Clip back into operators for the patterns.
+_FOLD = tvm.transform.Sequential(
+    [
+        Tracked(relax.transform.DecomposeOpsForInference()),
+        Tracked(prepare),
+        Tracked(FoldScaleAxis()),
+        Tracked(prepare),
+    ]
+)
+
+
+@dataclass
+class QuantizedModel:
+    imported: ImportedModel
+    plugin: Plugin
+    partitioned: tvm.IRModule
+    regions: list[Region]
+    qparams: dict  # the QPARAMS document used
+
+    def lower(self, modes: dict[str, str] | None = None, expose: bool = False):
+        """The lowered module and the profileIDs of its exposed outputs (:func:`lower`)."""
+        return lower(
+            self.partitioned, self.regions, self.plugin.policy, modes, expose, self.plugin.external
+        )
+
+    def replanned(self, qparams: dict, fp32_fallback: bool = False) -> QuantizedModel:
+        """The same partitioned model with every region planned from ``qparams`` (another
+        calibration of the same model needs no new import or partition)."""
+        sha = self.imported.loaded.sha256
+        if qparams["model"]["sha256"] != sha:
+            raise RangeprofError(
+                f"the qparams are for model {qparams['model']['name']!r} "
+                f"(sha256 {qparams['model']['sha256'][:12]}…), not this file ({sha[:12]}…)"
+            )
+        by_id = {entry["profile_id"]: entry for entry in qparams["qparams"]}
+        regions = plan_regions(self.partitioned, self.imported.layers, by_id, fp32_fallback)
+        return QuantizedModel(self.imported, self.plugin, self.partitioned, regions, qparams)
+
+    def manifest(self) -> dict:
+        loaded = self.imported.loaded
+        return {
+            "model": {"name": loaded.name, "sha256": loaded.sha256},
+            "target": self.plugin.name,
+            "policy": self.plugin.policy.to_json(),
+            "calibration": self.qparams.get("options"),
+            "regions": [self._region_json(r) for r in self.regions],
+        }
+
+    def _region_json(self, region: Region) -> dict:
+        doc = region.to_json()
+        fr = region.float_region
+        _, scales = quantize_weights(fr.weight, fr.channel_axis, self.plugin.policy)
+        doc["weight"] = {"dtype": "int8", "axis": fr.channel_axis, "scale": scales.tolist()}
+        return doc
+
+
+def qparams_from_profile(profile: dict, plugin: Plugin, method: str, percentile: float) -> dict:
+    """The QPARAMS document a plugin's policy derives from a profile with ``method``."""
+    return calibrate(profile, plugin.policy.calibration(method, percentile))
+
+
+def quantize_model(
+    path: str | Path,
+    qparams: dict,
+    plugin: Plugin,
+    input_shapes: dict | None = None,
+    fp32_fallback: bool = False,
+) -> QuantizedModel:
+    """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``."""
+    imported = import_onnx(load_model(path, input_shapes))
+    partitioned = partition(_FOLD(imported.mod), plugin.patterns())
+    unplanned = QuantizedModel(imported, plugin, partitioned, [], qparams)
+    return unplanned.replanned(qparams, fp32_fallback)

@@ -1,0 +1,162 @@
+"""Regions: the offloaded subgraphs of a model, found by a plugin's patterns, and their qparams
+found through the lineage.
+
+:func:`partition` runs ``FuseOpsByPattern`` on the model after ``fold_scale_axis`` (batch norms
+and channel scales folded into the weights): every match becomes a composite function called
+from ``main``. A composite carries the profileIDs of the initial nodes it covers (its lineage),
+and the tensors at its boundaries are named by them:
+
+* the **output** is the value of the region's last initial node: of the tensor IDs in its
+  lineage, the latest in the initial program order — a conv that absorbed a batch norm, a ReLU
+  and a backward-folded channel scale computes the scale's output;
+* the **input** is the output of the binding that feeds it, by the same rule, or the graph
+  input ``input:<name>``.
+
+A region whose boundary has no qparams is an error naming the region, unless the user asked for
+FP32 fallback: then it stays FP32, and :class:`Region` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax
+
+from profiler.errors import RangeprofError
+from profiler.lineage import Tracked, function_lineage
+from profiler.spans import ids_of
+from profiler.tagging import INPUT_PREFIX, LayerRecord
+
+from .patterns import FloatRegion, read_region
+from .policy import ActivationQ
+
+
+@dataclass(frozen=True)
+class Region:
+    """One composite call of ``main``: what it computes, its identity and its qparams."""
+
+    name: str  # the composite function
+    pattern: str
+    float_region: FloatRegion
+    profile_ids: tuple[str, ...]  # its lineage, sorted
+    input: ActivationQ | None  # None: stays FP32 (see ``fallback``)
+    output: ActivationQ | None
+    fallback: str | None = None  # why the region stays FP32
+
+    @property
+    def output_id(self) -> str:
+        return self.output.profile_id
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "pattern": self.pattern,
+            "op": self.float_region.kind,
+            "profile_ids": list(self.profile_ids),
+            "weight_id": self.float_region.weight_id,
+            "input": self.input and self.input.to_json(),
+            "output": self.output and self.output.to_json(),
+            "fallback": self.fallback,
+        }
+
+
+def partition(mod: tvm.IRModule, patterns: list[relax.transform.FusionPattern]) -> tvm.IRModule:
+    """Composite functions for every match of ``patterns`` (constants bound inside them),
+    with lineage carried onto their call sites."""
+    fuse = relax.transform.FuseOpsByPattern(patterns, bind_constants=True, annotate_codegen=False)
+    return Tracked(fuse)(mod)
+
+
+def composite_calls(mod: tvm.IRModule) -> list[tuple[relax.VarBinding, relax.Function]]:
+    """``main``'s bindings that call a composite function, in program order."""
+    found = []
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar):
+                func = mod[value.op]
+                if isinstance(func, relax.Function) and "Composite" in func.attrs:
+                    found.append((binding, func))
+    return found
+
+
+class _Namer:
+    """The profileID of the tensor a Var of ``main`` holds."""
+
+    def __init__(self, mod: tvm.IRModule, layers: list[LayerRecord]):
+        # Tensors only: tuple values (a batch norm's call) have no shape.
+        self.order = {
+            layer.profile_id: i
+            for i, layer in enumerate(layers)
+            if layer.shape is not None and layer.kind != "weight"
+        }
+        self.values: dict[relax.Var, frozenset[str]] = {}
+        main = mod["main"]
+        for param in main.params:
+            name = str(param.name)
+            for layer in layers:
+                if layer.kind == "input" and layer.profile_id.removeprefix(INPUT_PREFIX).replace(
+                    ".", "_"
+                ) == name.replace(".", "_"):
+                    self.values[param] = frozenset([layer.profile_id])
+        for block in main.body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                if isinstance(value, relax.Var):
+                    self.values[binding.var] = self.values.get(value, frozenset())
+                elif isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar):
+                    self.values[binding.var] = function_lineage(mod[value.op]) | ids_of(value)
+                else:
+                    self.values[binding.var] = ids_of(value)
+
+    def tensor_id(self, lineage: frozenset[str]) -> str | None:
+        """The latest tensor ID of ``lineage`` in the initial program order."""
+        known = [i for i in lineage if i in self.order]
+        return max(known, key=self.order.__getitem__, default=None)
+
+
+def plan_regions(
+    mod: tvm.IRModule,
+    layers: list[LayerRecord],
+    qparams: dict[str, dict],
+    fp32_fallback: bool = False,
+) -> list[Region]:
+    """A :class:`Region` per composite call of a partitioned module, with its qparams."""
+    namer = _Namer(mod, layers)
+    regions = []
+    for binding, func in composite_calls(mod):
+        name = binding.value.op.name_hint
+        lineage = function_lineage(func) | ids_of(binding.value)
+        data = binding.value.args[0]
+        input_id = namer.tensor_id(namer.values.get(data, frozenset()))
+        output_id = namer.tensor_id(lineage)
+        pattern = str(func.attrs["Composite"])
+        common = {
+            "name": name,
+            "pattern": pattern,
+            "float_region": read_region(func),
+            "profile_ids": tuple(sorted(lineage)),
+        }
+        missing = [
+            f"{what} {found!r}" if found else f"{what} (no tensor in {sorted(ids)})"
+            for what, found, ids in (
+                ("input", input_id, namer.values.get(data, frozenset())),
+                ("output", output_id, lineage),
+            )
+            if found not in qparams
+        ]
+        if missing:
+            reason = f"region {name} ({pattern}): no qparams for its " + " and ".join(missing)
+            if not fp32_fallback:
+                raise RangeprofError(reason + " (profile it, or ask for FP32 fallback)")
+            regions.append(Region(**common, input=None, output=None, fallback=reason))
+            continue
+        regions.append(
+            Region(
+                **common,
+                input=ActivationQ.from_entry(qparams[input_id]),
+                output=ActivationQ.from_entry(qparams[output_id]),
+            )
+        )
+    return regions

@@ -1,0 +1,30 @@
+"""x86: INT8 conv2d (dense, depthwise, 1×1) and dense / matmul compiled by LLVM for the host.
+
+The integer cores are inlined into the program and built by the fast CPU path
+(:mod:`profiler.schedules`), whose integer rules pick the dot-product instruction of the target:
+``vpdpbusd`` (AVX-512 VNNI) where the CPU has it, ``vpmaddwd`` on AVX2. Activations are
+asymmetric uint8 (the operand ``vpdpbusd`` takes unsigned), weights symmetric int8 per channel.
+Operators outside the pattern table stay FP32 between quantize / dequantize.
+"""
+
+from __future__ import annotations
+
+from profiler.schedules import build, host_target
+
+from ..patterns import pattern_table
+from ..plugin import Plugin
+from ..policy import QuantPolicy
+
+
+def _compile(mod):
+    return build(mod, host_target(), fold_scales=False)
+
+
+PLUGIN = Plugin(
+    name="x86",
+    description="INT8 conv2d / dense for the host CPU, LLVM (AVX-512 VNNI or AVX2)",
+    policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8"),
+    patterns=lambda: pattern_table("rangeprof_x86"),
+    target=host_target,
+    compile=_compile,
+)

@@ -1,0 +1,420 @@
+"""The BYOC core and the x86 plugin: qparams found by lineage, integer arithmetic equal to the
+formulas, INT8 artifacts that load and run, evaluation and the accuracy budget.
+
+Single-layer models check the integer code against an independent numpy reference: the
+accumulator of ``(x_q − z_x)`` padded with zeros (the kernels multiply raw ``x_q`` padded with
+``z_x`` and fold ``z_x`` into the bias), requantized with the policy's fixed-point multipliers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+
+import numpy as np
+import pytest
+import tvm
+from onnx import helper
+from tvm import relax
+from typer.testing import CliRunner
+
+from byoc_plugins.evaluate import evaluate
+from byoc_plugins.lowering import FP32
+from byoc_plugins.plugin import get_plugin
+from byoc_plugins.policy import QuantPolicy, fixed_point, quantize_weights, requantize_reference
+from byoc_plugins.quantized import qparams_from_profile, quantize_model
+from profiler.cli import app
+from profiler.errors import RangeprofError
+
+from conftest import SHARED, zoo_model
+from onnx_builders import save, single_io_model
+
+X86 = get_plugin("x86")
+POLICY = X86.policy
+# x86 with every region output requantized (as integer-only targets do): integer results
+INTEGER = dataclasses.replace(X86, policy=dataclasses.replace(POLICY, integer_outputs=True))
+
+
+def _asym(lo: float, hi: float, pid: str) -> dict:
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    scale = (hi - lo) / 255
+    return {
+        "profile_id": pid,
+        "dtype": "uint8",
+        "axis": None,
+        "scale": scale,
+        "zero_point": int(np.clip(round(-lo / scale), 0, 255)),
+    }
+
+
+def _doc(path, entries: list[dict]) -> dict:
+    full = [
+        {
+            "source_tensor": None,
+            "kind": "activation",
+            "method": "max",
+            "range": [0, 0],
+            "note": None,
+            **e,
+        }
+        for e in entries
+    ]
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    options = POLICY.calibration().to_json()
+    return {
+        "schema_version": "1.0",
+        "model": {"name": "m", "sha256": sha, "inputs": {}},
+        "options": options,
+        "qparams": full,
+    }
+
+
+def _quantize(x: np.ndarray, q: dict) -> np.ndarray:
+    # float32 division, as the program's quantize does
+    return np.clip(np.round(x / np.float32(q["scale"])) + q["zero_point"], 0, 255).astype(np.int64)
+
+
+def _conv_reference(xq, zx, wq, stride, pad, dilation, groups):
+    """``Σ (x_q − z_x) · w_q`` with zero padding (an independent formulation)."""
+    x = np.pad(xq - zx, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    n, _, h, w = x.shape
+    o, cg, kh, kw = wq.shape
+    oh = (h - dilation * (kh - 1) - 1) // stride + 1
+    ow = (w - dilation * (kw - 1) - 1) // stride + 1
+    out = np.zeros((n, o, oh, ow), np.int64)
+    og = o // groups
+    for g in range(groups):
+        xs, ws = x[:, g * cg : (g + 1) * cg], wq[g * og : (g + 1) * og].astype(np.int64)
+        for i in range(kh):
+            for j in range(kw):
+                r0, c0 = i * dilation, j * dilation
+                patch = xs[
+                    :,
+                    :,
+                    r0 : r0 + stride * (oh - 1) + 1 : stride,
+                    c0 : c0 + stride * (ow - 1) + 1 : stride,
+                ]
+                out[:, g * og : (g + 1) * og] += np.einsum("nchw,oc->nohw", patch, ws[:, :, i, j])
+    return out
+
+
+def _requantize(acc, bias_f, x_q, w_scales, out_q, axis_shape, lo=-math.inf, hi=math.inf):
+    acc = acc + np.round(bias_f / (x_q["scale"] * w_scales)).astype(np.int64).reshape(axis_shape)
+    m, shift = fixed_point(x_q["scale"] * w_scales / out_q["scale"])
+    y = requantize_reference(acc, m.reshape(axis_shape), shift.reshape(axis_shape))
+    y = y + out_q["zero_point"]
+    z, s = out_q["zero_point"], out_q["scale"]
+    qlo = max(0, z + math.floor(lo / s + 0.5)) if math.isfinite(lo) else 0
+    qhi = min(255, z + math.floor(hi / s + 0.5)) if math.isfinite(hi) else 255
+    return np.clip(y, qlo, qhi)
+
+
+def _run_region(path, doc, x, plugin=INTEGER):
+    """The region's output: integer (from the exposed, dequantized value:
+    ``q = round(y / s) + z``) when the plugin requantizes it, else FP32."""
+    qm = quantize_model(path, doc, plugin)
+    assert len(qm.regions) == 1
+    mod, _ = qm.lower(expose=True)
+    vm = relax.VirtualMachine(plugin.compile(mod), tvm.cpu())
+    y = vm["main"](tvm.runtime.tensor(x))[1].numpy()
+    if not plugin.policy.integer_outputs:
+        return qm, y
+    (region,) = qm.regions
+    return qm, np.round(y / region.output.scale).astype(np.int64) + region.output.zero_point
+
+
+CONVS = {
+    # name: (in channels, out channels, kernel, stride, pad, dilation, groups, activation)
+    "3x3": (8, 16, 3, 1, 1, 1, 1, None),
+    "3x3_stride2": (8, 16, 3, 2, 1, 1, 1, "Relu"),
+    "1x1": (16, 8, 1, 1, 0, 1, 1, None),
+    "depthwise": (16, 16, 3, 1, 1, 1, 16, "Clip"),
+    "grouped_dilated": (8, 8, 3, 1, 2, 2, 2, "Relu"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONVS))
+def test_conv_region_equals_integer_formula(case, tmp_path):
+    c_in, c_out, k, stride, pad, dilation, groups, act = CONVS[case]
+    rng = np.random.default_rng(len(case))
+    w = (rng.normal(size=(c_out, c_in // groups, k, k)) / k).astype(np.float32)
+    b = rng.normal(size=c_out).astype(np.float32)
+    nodes = [
+        helper.make_node(
+            "Conv",
+            ["x", "w", "b"],
+            ["c"],
+            name="conv",
+            pads=[pad] * 4,
+            strides=[stride] * 2,
+            dilations=[dilation] * 2,
+            group=groups,
+        )
+    ]
+    inits = {"w": w, "b": b}
+    out_id, lo, hi = "conv#2", -math.inf, math.inf  # conv, bias reshape, bias add
+    if act == "Relu":
+        nodes.append(helper.make_node("Relu", ["c"], ["y"], name="act"))
+        out_id, lo = "act", 0.0
+    elif act == "Clip":
+        inits.update(lo=np.float32(0.0), hi=np.float32(2.0))
+        nodes.append(helper.make_node("Clip", ["c", "lo", "hi"], ["y"], name="act"))
+        out_id, lo, hi = "act#5", 0.0, 2.0  # Clip imports as six bindings
+    else:
+        nodes[0].output[0] = "y"
+    size = 10
+    out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+    path = save(
+        single_io_model(nodes, inits, (1, c_in, size, size), (1, c_out, out, out)), tmp_path
+    )
+    x = rng.normal(size=(1, c_in, size, size)).astype(np.float32)
+    x_q = _asym(-2.5, 3.0, "input:x")  # z_x ≈ 116: padding must pad with it
+    out_q = _asym(-4.0, 5.0, out_id)
+    qm, got = _run_region(path, _doc(path, [x_q, out_q]), x)
+
+    wq, w_scales = quantize_weights(w, 0, POLICY)
+    assert np.array_equal(np.abs(wq).max(axis=(1, 2, 3)), np.full(c_out, 127))
+    acc = _conv_reference(_quantize(x, x_q), x_q["zero_point"], wq, stride, pad, dilation, groups)
+    want = _requantize(acc, b, x_q, w_scales, out_q, (1, c_out, 1, 1), lo, hi)
+    assert np.array_equal(got, want)
+    (region,) = qm.regions
+    assert region.input.profile_id == "input:x" and region.output_id == out_id
+    assert region.float_region.kind == "conv2d"
+
+
+def test_region_feeding_fp32_leaves_as_scaled_accumulator(tmp_path):
+    """x86 skips requantizing an output only FP32 operators read: ``s_x · s_c · acc``."""
+    rng = np.random.default_rng(7)
+    w = (rng.normal(size=(8, 4, 3, 3)) / 3).astype(np.float32)
+    b = rng.normal(size=8).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
+        helper.make_node("Relu", ["c"], ["y"], name="act"),
+    ]
+    path = save(single_io_model(nodes, {"w": w, "b": b}, (1, 4, 6, 6), (1, 8, 6, 6)), tmp_path)
+    x = rng.normal(size=(1, 4, 6, 6)).astype(np.float32)
+    x_q = _asym(-2.0, 2.0, "input:x")
+    _, got = _run_region(path, _doc(path, [x_q, _asym(0.0, 4.0, "act")]), x, X86)
+    wq, w_scales = quantize_weights(w, 0, POLICY)
+    acc = _conv_reference(_quantize(x, x_q), x_q["zero_point"], wq, 1, 1, 1, 1)
+    acc = acc + np.round(b / (x_q["scale"] * w_scales)).astype(np.int64).reshape(1, -1, 1, 1)
+    scale = (x_q["scale"] * w_scales).astype(np.float32).reshape(1, -1, 1, 1)
+    want = np.maximum(acc.astype(np.float32) * scale, 0)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_dense_region_equals_integer_formula(tmp_path):
+    rng = np.random.default_rng(3)
+    w, b = rng.normal(size=(12, 32)).astype(np.float32), rng.normal(size=12).astype(np.float32)
+    node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
+    path = save(single_io_model([node], {"w": w, "b": b}, (4, 32), (4, 12)), tmp_path)
+    x = rng.normal(size=(4, 32)).astype(np.float32)
+    x_q, out_q = _asym(-3.0, 3.0, "input:x"), _asym(-8.0, 8.0, "fc#2")
+    qm, got = _run_region(path, _doc(path, [x_q, out_q]), x)
+    wq, w_scales = quantize_weights(w.T, 1, POLICY)
+    acc = (_quantize(x, x_q) - x_q["zero_point"]) @ wq.astype(np.int64)
+    assert np.array_equal(got, _requantize(acc, b, x_q, w_scales, out_q, (12,)))
+    assert qm.regions[0].float_region.kind == "matmul"
+
+
+def test_fixed_point_multiplier_is_within_one_part_in_2_to_30():
+    m = np.array([1e-6, 0.0123, 0.5, 0.75, 0.9999999, 1.0, 3.7])
+    mult, shift = fixed_point(m)
+    assert np.all((mult >= 2**30) & (mult < 2**31))
+    assert np.allclose(mult * np.exp2(-shift.astype(float)), m, rtol=2**-30, atol=0)
+    # round half up, then shift: 7 * 0.5 = 3.5 -> 4, -7 * 0.5 = -3.5 -> -3
+    half_m, half_s = fixed_point(np.array([0.5, 0.5]))
+    assert list(requantize_reference(np.array([7, -7]), half_m, half_s)) == [4, -3]
+
+
+def test_power_of_two_policy_gives_shift_only_requantization():
+    w = np.random.default_rng(0).normal(size=(4, 3, 3, 3))
+    _, scales = quantize_weights(w, 0, QuantPolicy(power_of_two=True))
+    assert np.array_equal(np.log2(scales), np.round(np.log2(scales)))
+    mult, _ = fixed_point(0.25 * scales / 0.5)
+    assert np.all(mult == 2**30)
+
+
+@pytest.fixture(scope="module")
+def digits_profile(tmp_path_factory):
+    from profiler.profiling import ProfileOptions, profile_model
+
+    model = zoo_model("digits_cnn")
+    options = ProfileOptions(samples=64)
+    return profile_model(model, f"{SHARED}/data/digits.npz:calib", options=options)
+
+
+@pytest.mark.zoo
+def test_digits_regions_follow_lineage_and_stay_int8_between_regions(digits_profile):
+    qm = quantize_model(
+        zoo_model("digits_cnn"), qparams_from_profile(digits_profile, X86, "max", 99.99), X86
+    )
+    boundaries = [(r.input.profile_id, r.output_id) for r in qm.regions]
+    # The channel scale after block 1 folded backward into conv 1: its output is /Mul's tensor.
+    assert boundaries == [
+        ("input:image", "/Mul"),
+        ("/Mul", "/Relu_1"),
+        ("/MaxPool", "/Relu_2"),
+        ("/Flatten", "/Relu_3"),
+        ("/Relu_3", "/fc2/Gemm#2"),
+    ]
+    assert "/b1/BatchNormalization#0" in qm.regions[0].profile_ids
+    text = qm.lower()[0]["main"].script()
+    # Chained regions stay 8-bit; quantize only before a region that follows FP32 (the input,
+    # max pool, mean + reshape). Outputs read by FP32 leave as scaled accumulators.
+    assert text.count("R.quantize(") == 3 and text.count("R.dequantize(") == 0
+    assert "def main(" in text
+
+
+@pytest.mark.zoo
+def test_missing_profile_is_an_error_or_an_explicit_fp32_fallback(digits_profile):
+    doc = qparams_from_profile(digits_profile, X86, "max", 99.99)
+    doc["qparams"] = [q for q in doc["qparams"] if q["profile_id"] != "/Relu_2"]
+    with pytest.raises(RangeprofError, match=r"no qparams for its output.*Relu_2"):
+        quantize_model(zoo_model("digits_cnn"), doc, X86)
+    qm = quantize_model(zoo_model("digits_cnn"), doc, X86, fp32_fallback=True)
+    fallback = [r for r in qm.regions if r.fallback]
+    assert len(fallback) == 1 and "/c3/Conv" in fallback[0].profile_ids
+    assert "R.nn.conv2d(lv" in qm.lower()[0]["main"].script()  # the FP32 conv, inline
+
+
+@pytest.mark.zoo
+def test_digits_int8_accuracy_and_layer_errors(digits_profile):
+    data = SHARED / "data" / "digits.npz"
+    labels = np.load(data)["test_labels"][:200]
+    qm = quantize_model(
+        zoo_model("digits_cnn"), qparams_from_profile(digits_profile, X86, "max", 99.99), X86
+    )
+    result = evaluate(qm, f"{data}:test", labels, samples=200)
+    doc = result.to_json()
+    assert doc["samples"] == 200
+    assert abs(doc["fp32_top1"] - doc["int8_top1"]) <= 1.0
+    assert doc["fp32_top1"] > 95 and doc["agreement"] > 97
+    assert 25 < doc["output_sqnr_db"] < 60
+    layers = doc["layers"]
+    assert [e["profile_id"] for e in layers] == [e.profile_id for e in result.ranked()]
+    isolated = [e["isolated_sqnr_db"] for e in layers]
+    assert isolated == sorted(isolated) and all(25 < v < 60 for v in isolated)
+    # The first region sees no earlier quantization: isolated and accumulated are equal.
+    first = next(e for e in layers if e["profile_id"] == "/Mul")
+    assert first["isolated_sqnr_db"] == first["accumulated_sqnr_db"]
+    # Within a step of the output grid: max calibration clips nothing.
+    assert all(0 < e["isolated_rmse_per_scale"] < 1.0 for e in layers)
+
+
+@pytest.mark.zoo
+def test_ppocr_int8_top1_within_one_point_of_fp32():
+    """The pretrained PP-OCR direction classifier: INT8 (x86, MSE calibration on 32 samples)
+    within one top-1 point of FP32 on the first 200 test lines."""
+    from profiler.profiling import ProfileOptions, profile_model
+
+    model, data = zoo_model("ppocr_cls"), SHARED / "data" / "textlines.npz"
+    shapes = {"x": (1, 3, 48, 192)}
+    profile = profile_model(
+        model, f"{data}:calib", input_shapes=shapes, options=ProfileOptions(samples=32)
+    )
+    qm = quantize_model(model, qparams_from_profile(profile, X86, "mse", 99.99), X86, shapes)
+    labels = np.load(data)["test_labels"]
+    doc = evaluate(qm, f"{data}:test", labels, samples=200).to_json()
+    assert doc["fp32_top1"] > 90
+    assert doc["int8_top1"] >= doc["fp32_top1"] - 1.0
+    assert doc["agreement"] > 95 and doc["output_sqnr_db"] > 18
+
+
+@pytest.mark.zoo
+def test_cli_build_artifact_loads_and_matches_evaluate(digits_profile, tmp_path):
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(digits_profile))
+    model = zoo_model("digits_cnn")
+    runner = CliRunner()
+    result = runner.invoke(
+        app, ["build", str(model), "--profile", str(profile), "--out", str(tmp_path / "art")]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["target"] == "x86" and len(manifest["regions"]) == 5
+    assert all(r["mode"] == "int8" and r["profile_ids"] for r in manifest["regions"])
+    library = tmp_path / "art" / manifest["library"]
+    assert hashlib.sha256(library.read_bytes()).hexdigest() == manifest["library_sha256"]
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
+    x = np.load(SHARED / "data" / "digits.npz")["test"][:1].astype(np.float32)
+    deployed = vm["main"](tvm.runtime.tensor(x)).numpy()
+    qm = quantize_model(model, qparams_from_profile(digits_profile, X86, "max", 99.99), X86)
+    mod, _ = qm.lower()
+    in_process = relax.VirtualMachine(X86.compile(mod), tvm.cpu())["main"](tvm.runtime.tensor(x))
+    assert np.array_equal(deployed, in_process.numpy())
+
+    result = runner.invoke(
+        app,
+        [
+            "evaluate",
+            str(model),
+            "--profile",
+            str(profile),
+            "--data",
+            f"{SHARED}/data/digits.npz:test",
+            "--labels",
+            f"{SHARED}/data/digits.npz:test_labels",
+            "--samples",
+            "100",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    for key in ("fp32_top1", "int8_top1", "agreement", "output_sqnr_db", "layers", "methods"):
+        assert key in report
+    assert {"profile_id", "isolated_sqnr_db", "accumulated_sqnr_db"} <= set(report["layers"][0])
+
+
+@pytest.mark.zoo
+def test_accuracy_budget_keeps_the_most_sensitive_layers_fp32(digits_profile):
+    # A badly calibrated tensor (its range cut to a twentieth) between two regions costs
+    # several points.
+    doc = qparams_from_profile(digits_profile, X86, "max", 99.99)
+    for entry in doc["qparams"]:
+        if entry["profile_id"] == "/Mul":
+            entry["scale"] /= 20
+    qm = quantize_model(zoo_model("digits_cnn"), doc, X86)
+    data = f"{SHARED}/data/digits.npz:test"
+    from byoc_plugins.evaluate import fit_budget
+
+    plain = evaluate(qm, data, samples=150)
+    worst = plain.ranked()[0].profile_id
+    # /Mul is region 1's output and region 2's input: region 2 (output /Relu_1) ranks worst.
+    assert plain.drop > 2 and worst == "/Relu_1"
+    fitted = fit_budget(qm, data, 0.5, samples=150)
+    assert fitted.kept_fp32 == [worst] and fitted.drop <= 0.5
+    modes = {e.profile_id: e.mode for e in fitted.layers}
+    assert modes[worst] == FP32 and list(modes.values()).count(FP32) == 1
+
+
+def test_cli_build_errors_are_one_line_exit_2(tmp_path):
+    rng = np.random.default_rng(0)
+    node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
+    path = save(
+        single_io_model(
+            [node], {"w": rng.normal(size=(3, 4)), "b": rng.normal(size=3)}, (1, 4), (1, 3)
+        ),
+        tmp_path,
+    )
+    other = _doc(path, [_asym(-1, 1, "input:x"), _asym(-1, 1, "fc#2")])
+    other["model"]["sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    (tmp_path / "bad.json").write_text('{"schema_version": "1.0"}')
+    runner = CliRunner()
+    out = str(tmp_path / "art")
+    cases = [
+        (["--target", "riscv", "--qparams", str(tmp_path / "other.json")], "unknown target"),
+        ([], "exactly one of --qparams and --profile"),
+        (["--qparams", str(tmp_path / "bad.json")], "not a QPARAMS document"),
+        (["--qparams", str(tmp_path / "other.json")], "qparams are for model"),
+        (["--qparams", str(tmp_path / "nope.json")], "No such file"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, ["build", str(path), "--out", out, *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "art").exists()

@@ -1,0 +1,317 @@
+"""The npu plugin: the external codegen's C is compiled, loaded and run, tiled to its buffer, and
+its integer outputs equal the x86 build's bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi.libinfo
+from onnx import helper
+from tvm import relax
+
+from byoc_plugins import npu
+from byoc_plugins.npu.codegen import offloaded
+from byoc_plugins.npu.core import Conv2dOp, Requantize, read_core
+from byoc_plugins.npu.tiling import plan_tiles
+from byoc_plugins.plugin import Plugin, get_plugin
+from byoc_plugins.quantized import quantize_model
+from profiler.errors import RangeprofError
+from profiler.tracking import track_model
+
+import onnx_builders as mb
+from conftest import SHARED, zoo_model
+
+
+def layers_model():
+    """Every kernel shape the NPU runs, batch 2: a padded 3×3 conv of the raw (signed) input,
+    a strided conv + ReLU, a depthwise conv with dilation, a 1×1 conv, a padded grouped conv of
+    a signed tensor (pad with a nonzero zero point) and a Gemm of 2 rows; sized so that a 1 KB
+    buffer cuts every layer into several tiles."""
+    rng = np.random.default_rng(7)
+    conv = helper.make_node
+    nodes = [
+        conv("Conv", ["x", "w0", "b0"], ["a"], name="conv", pads=[1, 1, 1, 1]),
+        conv("Conv", ["a", "w1", "b1"], ["b"], name="strided", strides=[2, 2], pads=[1, 1, 1, 1]),
+        conv("Relu", ["b"], ["br"], name="relu"),
+        conv(
+            "Conv", ["br", "w2", "b2"], ["c"], name="dw", group=16, dilations=[2, 2], pads=[2] * 4
+        ),
+        conv("Conv", ["c", "w3", "b3"], ["d"], name="pointwise"),
+        conv("Conv", ["d", "w4", "b4"], ["e"], name="grouped", group=2, pads=[1, 1, 1, 1]),
+        conv("Flatten", ["e"], ["f"], name="flatten"),
+        conv("Gemm", ["f", "w5", "b5"], ["y"], name="fc", transB=1),
+    ]
+    shapes = {
+        "w0": (16, 4, 3, 3),
+        "w1": (16, 16, 3, 3),
+        "w2": (16, 1, 3, 3),
+        "w3": (24, 16, 1, 1),
+        "w4": (16, 12, 3, 3),
+        "w5": (5, 400),
+    }
+    inits = {}
+    for name, shape in shapes.items():
+        inits[name] = rng.normal(size=shape) / np.sqrt(np.prod(shape[1:]))
+        inits[name.replace("w", "b")] = rng.normal(size=shape[0]) * 0.1
+    return mb.single_io_model(nodes, inits, (2, 4, 9, 9), (2, 5))
+
+
+def synthetic_qparams(path, dtype: str = "uint8") -> dict:
+    """A QPARAMS document for every tensor of ``path`` without profiling (which builds and
+    runs the model): seeded scales and zero points, 0 after a ReLU. Exactness between targets
+    holds for any qparams; these give most convs a nonzero input zero point to pad with."""
+    zero_points = (90, 160) if dtype == "uint8" else (-40, 40)
+    imported = track_model(path).imported
+    rng = np.random.default_rng(3)
+    entries = []
+    for layer in imported.layers:
+        if layer.kind == "weight":
+            continue
+        relu = layer.source_op == "Relu"
+        entries.append(
+            {
+                "profile_id": layer.profile_id,
+                "dtype": dtype,
+                "scale": float(rng.uniform(3, 8) / 255),
+                "zero_point": 0 if relu else int(rng.integers(*zero_points)),
+                "axis": None,
+            }
+        )
+    model = {"name": imported.loaded.name, "sha256": imported.loaded.sha256}
+    return {"model": model, "qparams": entries}
+
+
+def x86_reference() -> Plugin:
+    """The x86 plugin with the npu's policy, whose outputs the npu build's must equal: the
+    same qparams and formulas, and every region output requantized (plain x86 leaves those
+    that only FP32 operators read as scaled int32 accumulators)."""
+    return dataclasses.replace(get_plugin("x86"), policy=npu.PLUGIN.policy)
+
+
+def _lowered(path, qparams: dict, plugin: Plugin) -> tvm.IRModule:
+    """``path`` lowered for ``plugin``, every region INT8, every region output exposed."""
+    qm = quantize_model(path, qparams, plugin)
+    assert all(r.fallback is None for r in qm.regions)
+    mod, _ = qm.lower(expose=True)
+    return mod
+
+
+def _run(executable, x: np.ndarray) -> list[np.ndarray]:
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    out = vm["main"](tvm.runtime.tensor(x))
+    return [out[i].numpy() for i in range(len(out))]
+
+
+def _assert_same(got: list[np.ndarray], want: list[np.ndarray]):
+    assert len(got) == len(want)
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {index}")
+
+
+@pytest.fixture(scope="module")
+def layers(tmp_path_factory):
+    """The layers model lowered for x86 and npu, and the x86 build's outputs on one input."""
+    path = mb.save(layers_model(), tmp_path_factory.mktemp("npu"))
+    qparams = synthetic_qparams(path)
+    x = np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype("float32")
+    reference = x86_reference()
+    want = _run(reference.compile(_lowered(path, qparams, reference)), x)
+    return _lowered(path, qparams, npu.PLUGIN), x, want
+
+
+def test_plugin_registered():
+    plugin = get_plugin("npu")
+    assert plugin is npu.PLUGIN and plugin.external == "rangeprof_npu"
+    x86 = get_plugin("x86").policy
+    assert (plugin.policy.activation_scheme, plugin.policy.activation_dtype) == ("asym", "uint8")
+    assert plugin.policy.calibration() == x86.calibration()  # the same qparams as x86
+    assert plugin.policy.weight_granularity == x86.weight_granularity == "per-channel"
+    assert plugin.policy.integer_outputs  # integer-only hardware
+    assert tvm.get_global_func("relax.ext.rangeprof_npu", allow_missing=True) is not None
+
+
+def test_every_layer_equals_x86(layers):
+    mod, x, want = layers
+    ops = [read_core(func) for func in offloaded(mod)]
+    convs = [op for op in ops if isinstance(op, Conv2dOp)]
+    assert len(convs) == 5 and len(ops) == 6
+    assert any(any(op.padding) and op.pad_value != 0 for op in convs)  # pads with z_x
+    assert any(any(op.padding) and op.pad_value == 0 for op in convs)  # the conv's own padding
+    assert {op.groups for op in convs} == {1, 2, 16}
+    assert {op.strides for op in convs} == {(1, 1), (2, 2)}
+    assert {op.dilation for op in convs} == {(1, 1), (2, 2)}
+    assert any(op.weight.shape[2:] == (1, 1) for op in convs)
+    plans = npu.tile_plans(mod)
+    assert all(p.tiles == p.images for p in plans.values())  # 256 KB: one tile per image
+    _assert_same(_run(npu.compile_npu(mod), x), want)
+
+
+def test_small_buffer_tiles_and_still_equals_x86(layers):
+    mod, x, want = layers
+    plans = npu.tile_plans(mod, sram_kb=1)
+    for plan in plans.values():
+        assert plan.footprint <= 1024
+        assert plan.tiles > plan.images, plan.to_json()
+    assert any(p.channel_tiles > 1 and p.op == "conv2d" for p in plans.values())
+    assert any(p.channel_tiles > 1 and p.op == "matmul" for p in plans.values())
+    source = npu.c_program(mod, sram_kb=1)
+    for plan in plans.values():
+        assert plan.describe().split("\n")[0] in source
+    _assert_same(_run(npu.compile_npu(mod, sram_kb=1), x), want)
+
+
+def test_buffer_size_from_environment(layers, monkeypatch):
+    mod, _, _ = layers
+    monkeypatch.setenv("RANGEPROF_NPU_SRAM_KB", "1")
+    assert npu.tile_plans(mod) == npu.tile_plans(mod, sram_kb=1)
+    monkeypatch.setenv("RANGEPROF_NPU_SRAM_KB", "lots")
+    with pytest.raises(RangeprofError, match="RANGEPROF_NPU_SRAM_KB"):
+        npu.tile_plans(mod)
+
+
+def test_export_library_round_trip(layers, tmp_path):
+    mod, x, want = layers
+    executable = npu.compile_npu(mod, sram_kb=2)
+    assert "c" in {m.kind for m in executable.mod.imports[0].imports}  # the C source module
+    library = tmp_path / "model.so"
+    npu.PLUGIN.export(executable, library)
+    loaded = tvm.runtime.load_module(str(library))
+    _assert_same(_run(loaded, x), want)
+
+
+@pytest.mark.parametrize(("builder", "shape"), [(mb.conv_bias, (1, 3, 6, 6)), (mb.gemm, (2, 8))])
+def test_int8_activations_equal_x86(builder, shape, tmp_path):
+    """Signed 8-bit activations (the other kernel variants) are as exact."""
+    path = mb.save(builder(), tmp_path)
+    qparams = synthetic_qparams(path, "int8")
+    mod = _lowered(path, qparams, npu.PLUGIN)
+    assert {read_core(f).in_dtype for f in offloaded(mod)} == {"int8"}
+    x = np.random.default_rng(2).standard_normal(shape).astype("float32")
+    reference = x86_reference()
+    want = _run(reference.compile(_lowered(path, qparams, reference)), x)
+    _assert_same(_run(npu.compile_npu(mod, sram_kb=1), x), want)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_emitted_code_is_c99(layers, tmp_path):
+    mod, _, _ = layers
+    source = tmp_path / "npu.c"
+    source.write_text(npu.c_program(mod, sram_kb=1))
+    include = tvm_ffi.libinfo.find_include_path()
+    flags = ["-std=c99", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", f"-I{include}"]
+    subprocess.run(["gcc", *flags, str(source)], check=True)
+
+
+def test_tiling_rule():
+    """Most channels with one row first, then most rows; grouped blocks never straddle.
+
+    A 3×3 conv, 8 → 8 channels in 4 groups, 16×16 → 14×14: a tile of ``tc`` channels by ``tr``
+    rows takes 4·14 (accumulators) + 9·tc (params) + 18·tc (weights) + 2·max(1, tc // 2)·(tr +
+    2)·16 (input window) + 14·tc·tr (output) bytes."""
+    op = _conv_op(in_shape=(1, 8, 16, 16), weight_shape=(8, 2, 3, 3), groups=4)
+    whole = plan_tiles(op, 1 << 20)
+    assert (whole.channels, whole.rows, whole.tiles) == (8, 14, 1)
+    # 356 bytes: 4 channels need 412 with one row; 3 would fit (275) but straddle two groups.
+    plan = plan_tiles(op, 356)
+    assert (plan.channels, plan.rows, plan.footprint) == (2, 3, 354)
+    assert (plan.channel_tiles, plan.row_tiles, plan.tiles) == (4, 5, 20)
+    sections = {"accumulators": 56, "params": 18, "weights": 36, "input": 160, "output": 84}
+    assert plan.sections == sections
+    assert plan.offset("input") == 56 + 18 + 36
+    with pytest.raises(RangeprofError, match=r"needs 193 bytes of on-chip buffer"):
+        plan_tiles(op, 150)
+
+
+def _conv_op(in_shape, weight_shape, groups) -> Conv2dOp:
+    k = weight_shape[0]
+    n, _, h, w = in_shape
+    requantize = Requantize(
+        bias=np.zeros(k, np.int32),
+        multiplier=np.full(k, 1 << 30, np.int32),
+        shift=np.full(k, 31, np.uint8),
+        zero_point=0,
+        lo=0,
+        hi=255,
+    )
+    return Conv2dOp(
+        symbol="conv",
+        in_dtype="uint8",
+        out_dtype="uint8",
+        in_shape=in_shape,
+        out_shape=(n, k, h - weight_shape[2] + 1, w - weight_shape[3] + 1),
+        weight=np.ones(weight_shape, np.int8),
+        strides=(1, 1),
+        dilation=(1, 1),
+        padding=(0, 0, 0, 0),
+        pad_value=0,
+        groups=groups,
+        requantize=requantize,
+    )
+
+
+def _core(body) -> relax.Function:
+    """A Codegen-marked function of a uint8 [4, 8] input whose body ``body(x)`` computes."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("xq", relax.TensorType((4, 8), "uint8"))
+    with bb.function("bad_int8", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(x))
+        bb.emit_func_output(out)
+    func = bb.get()["bad_int8"]
+    return func.with_attrs({"Codegen": "rangeprof_npu", "global_symbol": "bad_int8"})
+
+
+def _with_rounding_off_by_one(func: relax.Function) -> relax.Function:
+    """``func`` (a canonical core) rebuilt with its rounding constant ``2^(S-1) + 1``."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("xq", func.params[0].ty)
+    remap = {func.params[0]: x}
+    with bb.function("bad_int8", [x]):
+        with bb.dataflow():
+            *body, last = func.body.blocks[0].bindings
+            for binding in body:
+                call = binding.value
+                args = [remap.get(a, a) for a in call.args]
+                if str(call.op.name) == "relax.add" and str(call.ty.dtype) == "int64":
+                    args[1] = relax.const(args[1].value.numpy() + 1, "int64")
+                remap[binding.var] = bb.emit(relax.Call(call.op, args, call.attrs))
+            out = bb.emit_output(
+                relax.Call(last.value.op, [remap[last.value.args[0]]], last.value.attrs)
+            )
+        bb.emit_func_output(out)
+    func = bb.get()["bad_int8"]
+    return func.with_attrs({"Codegen": "rangeprof_npu", "global_symbol": "bad_int8"})
+
+
+def test_non_canonical_core_is_a_clear_error(layers):
+    with pytest.raises(RangeprofError, match=r"bad_int8 is not a canonical .* computes relax\.add"):
+        read_core(_core(lambda x: relax.op.add(x, x)))
+    mod, _, _ = layers
+    canonical = next(f for _, f in mod.functions_items() if "Codegen" in (f.attrs or {}))
+    bad = tvm.IRModule({"bad_int8": _with_rounding_off_by_one(canonical)})
+    with pytest.raises(RangeprofError, match=r"rounding constant must be 2\^\(shift-1\)"):
+        npu.compile_npu(bad)
+    with pytest.raises(RuntimeError, match="rounding constant"):  # through RunCodegen too
+        relax.transform.RunCodegen()(bad)
+
+
+@pytest.mark.zoo
+def test_digits_cnn_equals_x86(tmp_path):
+    """The shared CNN on real images: the exported npu library's model output and every region
+    output equal the x86 build's (synthetic qparams: profiling would triple the test's time,
+    and exactness holds for any)."""
+    path = zoo_model("digits_cnn")
+    qparams = synthetic_qparams(path)
+    reference = x86_reference()
+    want = reference.compile(_lowered(path, qparams, reference))
+    library = tmp_path / "model.so"
+    npu.PLUGIN.export(npu.PLUGIN.compile(_lowered(path, qparams, npu.PLUGIN)), library)
+    loaded = tvm.runtime.load_module(str(library))
+    images = np.load(SHARED / "data" / "digits.npz")["test"][:4].astype("float32")
+    for i in range(len(images)):
+        _assert_same(_run(loaded, images[i : i + 1]), _run(want, images[i : i + 1]))

@@ -1,0 +1,255 @@
+"""The INT8 build path: integer conv2d / dense kernels on the target's dot-product instruction.
+
+Each shape family is built with ``profiler.schedules.build`` for this machine and run; integer
+results are compared exactly with numpy. Two forms per family: the bare 8-bit × int8 → int32
+operator, and the layer as the quantization layer writes it (quantize, pad with the zero point,
+conv2d / matmul to int32, bias, int64 fixed-point requantization, zero point, clamp, uint8,
+dequantize). Inputs are integer multiples of a power-of-two scale and the output scale is a
+power of two, so quantize and dequantize are exact and the float output is compared exactly
+too. The AVX-512 VNNI and aarch64 ``sdot`` kernels cannot run here: they are compiled and
+their assembly checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from profiler.schedules import build, host_target
+
+VNNI = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})
+AARCH64 = tvm.target.Target(
+    {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]}
+)
+X_SCALE, Y_SCALE, Y_ZERO = 1 / 16, 1 / 8, 5
+ZERO_POINT = {"uint8": 7, "int8": -3}
+RANGE = {"uint8": (0, 256), "int8": (-128, 128)}
+
+
+def _const(value, dtype: str) -> relax.Constant:
+    return relax.const(np.asarray(value).astype(dtype), dtype)
+
+
+class _Layer:
+    """Random int8 weights, bias and fixed-point requantization constants for ``channels``
+    outputs, and the Relax (``emit``) and numpy (``reference``) forms of the layer."""
+
+    def __init__(self, weight_shape, channels: int, shifts=(34, 40)):
+        rng = np.random.default_rng(0)
+        self.w = rng.integers(-128, 128, weight_shape).astype("int8")
+        self.bias = rng.integers(-2000, 2000, channels).astype("int32")
+        self.mult = rng.integers(2**30, 2**31, channels).astype("int64")
+        self.shift = rng.integers(*shifts, channels).astype("int64")
+
+    def requantize(self, bb: relax.BlockBuilder, acc, shape) -> relax.Var:
+        def per_channel(value, dtype):
+            return _const(value.reshape(shape), dtype)
+
+        acc = bb.emit(relax.op.add(acc, per_channel(self.bias, "int32")))
+        t = bb.emit(relax.op.astype(acc, "int64"))
+        t = bb.emit(relax.op.multiply(t, per_channel(self.mult, "int64")))
+        t = bb.emit(relax.op.add(t, per_channel(np.int64(1) << (self.shift - 1), "int64")))
+        t = bb.emit(relax.op.right_shift(t, per_channel(self.shift, "int64")))
+        t = bb.emit(relax.op.add(relax.op.astype(t, "int32"), _const(Y_ZERO, "int32")))
+        t = bb.emit(relax.op.astype(relax.op.clip(t, 0, 255), "uint8"))
+        scale, zero = _const(Y_SCALE, "float32"), _const(Y_ZERO, "int32")
+        return bb.emit(relax.op.dequantize(t, scale, zero, axis=1, out_dtype="float32"))
+
+    def requantize_reference(self, acc: np.ndarray, axis: int) -> np.ndarray:
+        shape = [1] * acc.ndim
+        shape[axis] = -1
+        mult, shift = self.mult.reshape(shape), self.shift.reshape(shape)
+        t = (acc.astype(np.int64) + self.bias.reshape(shape)) * mult
+        t = (t + (np.int64(1) << (shift - 1))) >> shift
+        q = np.clip(t.astype(np.int32) + Y_ZERO, 0, 255).astype(np.uint8)
+        return ((q.astype(np.float32) - Y_ZERO) * np.float32(Y_SCALE)).astype(np.float32)
+
+
+def _module(params, body) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _quantize(bb, x, dtype: str, axis: int):
+    scale, zero = _const(X_SCALE, "float32"), _const(ZERO_POINT[dtype], "int32")
+    return bb.emit(relax.op.quantize(x, scale, zero, axis=axis, out_dtype=dtype))
+
+
+def _run(mod: tvm.IRModule, x: np.ndarray, target=None) -> np.ndarray:
+    vm = relax.VirtualMachine(build(mod, target or host_target()), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(x)).numpy()
+
+
+def _inputs(shape, dtype: str, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """8-bit values and the float input that quantizes exactly to them."""
+    q = np.random.default_rng(seed).integers(*RANGE[dtype], shape)
+    return q.astype(dtype), ((q - ZERO_POINT[dtype]) * X_SCALE).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------- conv2d
+
+
+def _conv_reference(x: np.ndarray, w: np.ndarray, stride: int, dilation: int, groups: int):
+    """int64 NCHW conv (no padding) of integer ``x`` and OIHW ``w``."""
+    n, _, h, width = x.shape
+    out_ch, per_group, kh, kw = w.shape
+    oh = (h - (kh - 1) * dilation - 1) // stride + 1
+    ow = (width - (kw - 1) * dilation - 1) // stride + 1
+    x, w = x.astype(np.int64), w.astype(np.int64)
+    out = np.zeros((n, out_ch, oh, ow), np.int64)
+    per_out = out_ch // groups
+    for g in range(groups):
+        xs = x[:, g * per_group : (g + 1) * per_group]
+        ws = w[g * per_out : (g + 1) * per_out]
+        for ky in range(kh):
+            for kx in range(kw):
+                y0, x0 = ky * dilation, kx * dilation
+                patch = xs[:, :, y0 : y0 + (oh - 1) * stride + 1 : stride]
+                patch = patch[:, :, :, x0 : x0 + (ow - 1) * stride + 1 : stride]
+                out[:, g * per_out : (g + 1) * per_out] += np.einsum(
+                    "nchw,oc->nohw", patch, ws[:, :, ky, kx]
+                )
+    return out
+
+
+# name: (channels in, channels out, size, kernel, stride, dilation, padding, groups)
+CONVS = {
+    "3x3": (16, 32, 10, 3, 1, 1, 1, 1),
+    "3x3_stride2_dilation2_odd_channels": (6, 16, 13, 3, 2, 2, 2, 1),
+    "7x7_rgb_stride2": (3, 16, 20, 7, 2, 1, 3, 1),
+    "1x1": (32, 64, 7, 1, 1, 1, 0, 1),
+    "depthwise3x3": (32, 32, 10, 3, 1, 1, 1, 32),
+    "depthwise3x3_stride2": (24, 24, 13, 3, 2, 1, 1, 24),
+    "12_channels_half_width": (8, 12, 6, 3, 1, 1, 1, 1),
+    "10_channels_no_instruction": (8, 10, 6, 3, 1, 1, 1, 1),
+    "grouped_no_instruction": (16, 32, 8, 3, 1, 1, 1, 4),
+}
+
+
+def _conv_case(name: str, dtype: str, quantized: bool, shifts=(34, 40)):
+    """(module, input, expected output) for one conv family."""
+    c_in, c_out, size, kernel, stride, dilation, pad, groups = CONVS[name]
+    layer = _Layer((c_out, c_in // groups, kernel, kernel), c_out, shifts)
+    q, xf = _inputs((1, c_in, size, size), dtype)
+    attrs = dict(strides=stride, dilation=dilation, groups=groups, out_dtype="int32")
+
+    def body(bb, x):
+        if quantized:
+            x = _quantize(bb, x, dtype, axis=1)
+        if pad:
+            widths = [0, 0, 0, 0, pad, pad, pad, pad]
+            x = bb.emit(relax.op.nn.pad(x, widths, pad_value=float(ZERO_POINT[dtype])))
+        acc = bb.emit(relax.op.nn.conv2d(x, _const(layer.w, "int8"), padding=0, **attrs))
+        return layer.requantize(bb, acc, (1, c_out, 1, 1)) if quantized else acc
+
+    in_dtype = "float32" if quantized else dtype
+    mod = _module([relax.Var("x", relax.TensorType(q.shape, in_dtype))], body)
+    padded = np.pad(q, [(0, 0)] * 2 + [(pad, pad)] * 2, constant_values=ZERO_POINT[dtype])
+    acc = _conv_reference(padded, layer.w, stride, dilation, groups)
+    if quantized:
+        return mod, xf, layer.requantize_reference(acc, axis=1)
+    return mod, q, acc.astype(np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_conv2d_int32_exact(name, dtype):
+    mod, x, expected = _conv_case(name, dtype, quantized=False)
+    actual = _run(mod, x)
+    assert actual.dtype == np.int32
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_quantized_conv_layer_exact(name):
+    dtype = "int8" if "depthwise" in name else "uint8"
+    mod, x, expected = _conv_case(name, dtype, quantized=True)
+    np.testing.assert_array_equal(_run(mod, x), expected)
+
+
+def test_requantize_shifts_below_32_exact():
+    """Shifts below 32 keep the 64-bit shift (the 32-bit rewrite needs every shift ≥ 32)."""
+    mod, x, expected = _conv_case("3x3", "uint8", quantized=True, shifts=(20, 36))
+    np.testing.assert_array_equal(_run(mod, x), expected)
+
+
+# ----------------------------------------------------------------------------------- dense
+
+# name: (input shape, output columns)
+DENSES = {
+    "gemv": ((1, 64), 40),
+    "rows_3d": ((2, 5, 64), 48),
+    "classifier_k_not_multiple_of_4": ((3, 30), 1000),
+    "37_columns_no_instruction": ((1, 64), 37),
+}
+
+
+def _dense_case(name: str, dtype: str, quantized: bool):
+    shape, columns = DENSES[name]
+    layer = _Layer((shape[-1], columns), columns)
+    q, xf = _inputs(shape, dtype)
+
+    def body(bb, x):
+        if quantized:
+            x = _quantize(bb, x, dtype, axis=-1)
+        acc = bb.emit(relax.op.matmul(x, _const(layer.w, "int8"), out_dtype="int32"))
+        return layer.requantize(bb, acc, (columns,)) if quantized else acc
+
+    in_dtype = "float32" if quantized else dtype
+    mod = _module([relax.Var("x", relax.TensorType(shape, in_dtype))], body)
+    acc = q.astype(np.int64) @ layer.w.astype(np.int64)
+    if quantized:
+        return mod, xf, layer.requantize_reference(acc, axis=-1)
+    return mod, q, acc.astype(np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("name", sorted(DENSES))
+def test_dense_int32_exact(name, dtype):
+    mod, x, expected = _dense_case(name, dtype, quantized=False)
+    np.testing.assert_array_equal(_run(mod, x), expected)
+
+
+@pytest.mark.parametrize("name", ["gemv", "rows_3d"])
+def test_quantized_dense_layer_exact(name):
+    mod, x, expected = _dense_case(name, "uint8", quantized=True)
+    np.testing.assert_array_equal(_run(mod, x), expected)
+
+
+# ------------------------------------------------------------------------------- assembly
+
+
+def _assembly(mod: tvm.IRModule, target) -> str:
+    lib = build(mod, target).mod
+    llvm = lib if lib.kind == "llvm" else next(m for m in lib.imports if m.kind == "llvm")
+    return llvm.inspect_source("asm")
+
+
+@pytest.mark.parametrize(
+    "target, instruction",
+    [(VNNI, "vpdpbusd"), (AARCH64, "sdot")],
+    ids=["avx512_vnni", "aarch64_dotprod"],
+)
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("case", ["conv", "dense"])
+def test_dot_instruction_in_assembly(case, dtype, target, instruction):
+    if case == "conv":
+        mod = _conv_case("3x3", dtype, quantized=True)[0]
+    else:
+        mod = _dense_case("rows_3d", dtype, quantized=True)[0]
+    assert instruction in _assembly(mod, target)
+
+
+def test_host_avx2_uses_vpmaddwd():
+    target = host_target()
+    if not tvm.target.codegen.target_has_features("avx2", target):
+        pytest.skip("no AVX2 on this machine")
+    if tvm.target.codegen.target_has_features("avx512vnni", target):
+        pytest.skip("VNNI machine: vpdpbusd instead")
+    assert "vpmaddwd" in _assembly(_conv_case("3x3", "uint8", quantized=True)[0], target)
