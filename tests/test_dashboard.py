@@ -480,7 +480,8 @@ def test_run_progress_is_live_and_two_runs_compare(tab, live, digits):
     page, model_id = tab.page, digits.model["id"]
     page.goto(f"/dashboard/models/{model_id}")
     page.evaluate("window.sameDocument = true")  # gone if the page reloads
-    page.fill("#new-run input[name=random]", "1500")
+    # Long enough (seconds, even on a fast machine) for 1 s page polls to catch it part done.
+    page.fill("#new-run input[name=random]", "20000")
     page.click("#new-run button")
     rows = page.locator("#runs tbody tr")
     expect(rows).to_have_count(2)
