@@ -20,6 +20,7 @@ end-of-file and exits, so no job outlives its worker.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -44,6 +45,8 @@ class Job:
     # ("FILE.npz:KEY" or None) and profile (the profile document's file). BUILD: target and
     # either method, percentile and profile, or qparams (a QPARAMS document's file).
     options: dict
+    # PROFILE on a Ray cluster: profile_distributed's address and workers (api.jobs.ray_setting).
+    ray: dict | None = None
 
 
 def start(job: Job, folder: Path) -> subprocess.Popen:
@@ -90,7 +93,12 @@ def _shapes(job: Job) -> dict[str, tuple[int, ...]]:
 def _profile(job: Job, answer: Callable[..., None]) -> dict:
     from profiler.profiling import ProfileOptions, profile_model
 
-    return profile_model(
+    run = profile_model
+    if job.ray:
+        from profiler.distributed import profile_distributed
+
+        run = functools.partial(profile_distributed, **job.ray)
+    return run(
         job.model_file,
         job.data,
         input_shapes=_shapes(job),

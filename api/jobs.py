@@ -32,6 +32,8 @@ from pathlib import Path
 
 from sqlalchemy import select, update
 
+from profiler.errors import RangeprofError
+
 from . import catalog, execute
 from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
 from .db import Database
@@ -42,6 +44,8 @@ from .storage import BlobStore, storage_root
 from .uploads import data_spec
 
 STOPPED = "server stopped while the run was running"
+# Profiling runs on a Ray cluster (profiler.distributed): `local` or its address, and the workers.
+ENV_RAY, ENV_RAY_WORKERS = "RANGEPROF_RAY", "RANGEPROF_RAY_WORKERS"
 _WRITE_EVERY_S = 0.5
 # What a worker executes, in the order it looks for queued jobs.
 Table = type[Run] | type[Evaluation] | type[Build]
@@ -52,6 +56,23 @@ log = logging.getLogger("rangeprof.worker")
 
 def default_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def ray_setting() -> dict | None:
+    """How profiling runs execute: on the Ray cluster that ``RANGEPROF_RAY`` names (``local``:
+    one started on this machine for each run) with ``RANGEPROF_RAY_WORKERS`` workers (default
+    2), or, unset, in the job's own process. A bad value or a missing ray package fails now, when
+    the worker starts, rather than run after run."""
+    address = os.environ.get(ENV_RAY)
+    if not address:
+        return None
+    from profiler.distributed import require_ray
+
+    text = os.environ.get(ENV_RAY_WORKERS, "2")
+    if not (text.isdigit() and int(text) > 0):
+        raise RangeprofError(f"{ENV_RAY_WORKERS}={text!r} is not a positive number of workers")
+    require_ray()
+    return {"address": address, "workers": int(text)}
 
 
 class _Lost(Exception):
@@ -78,6 +99,7 @@ class Worker:
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_recovery = 0.0
+        self.ray = ray_setting()
 
     def start(self) -> None:
         self.recover(own=True)
@@ -204,6 +226,7 @@ class Worker:
                 "samples": run.samples,
                 "seed": run.seed,
             },
+            ray=self.ray,
         )
 
     def _eval_job(self, evaluation_id: int, folder: Path) -> execute.Job:

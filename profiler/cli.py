@@ -6,6 +6,7 @@ code 2; the JSON printed by ``--json`` goes to stdout alone so it can be piped.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -119,6 +120,23 @@ def profile(
             help="Image preprocessing, e.g. 'size=48x192,mean=0.5,0.5,0.5,std=0.5,0.5,0.5'."
         ),
     ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS|local",
+            help="Profile shards of the data on a Ray cluster: 'local' starts one on this "
+            "machine, else its address (needs rangeprof[ray]).",
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(min=1, help="Ray workers (with --ray; default 2), each with its CPU share."),
+    ] = None,
+    shards: Annotated[
+        int | None,
+        typer.Option(min=1, help="Shards of the data (with --ray; default 4 per worker)."),
+    ] = None,
 ) -> None:
     """Run calibration data through the instrumented FP32 model and write the profile."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
@@ -132,13 +150,23 @@ def profile(
             raise RangeprofError(f"--bins {bins} is negative")
         options = ProfileOptions(bins=bins, batch_size=batch_size, samples=samples, seed=seed)
         spec = parse_preprocess(preprocess) if preprocess else None
+        execute = profile_model
+        if ray is not None:
+            from .distributed import profile_distributed, require_ray
+
+            require_ray()  # before anything is loaded
+            execute = functools.partial(
+                profile_distributed, address=ray, workers=workers or 2, shards=shards
+            )
+        elif workers is not None or shards is not None:
+            raise RangeprofError("--workers and --shards apply to profiling on Ray: add --ray")
         with Progress(*columns, console=_err, transient=True) as bar:
             task = bar.add_task("compiling", total=None)
 
             def advance(done: int, total: int) -> None:
                 bar.update(task, description="profiling", completed=done, total=total)
 
-            doc = profile_model(
+            doc = execute(
                 model,
                 data,
                 input_shapes=_shapes(input_shape),

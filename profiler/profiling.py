@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import tvm
 from tvm import relax
 
 from .build_cache import BuildCache, cache_key
-from .data import Preprocess, model_inputs, open_data
+from .data import CalibrationData, Preprocess, model_inputs, open_data
 from .errors import InputShapeError
 from .executor import Observed, ProfilingProgram, compile_program
 from .importer import ImportedModel
@@ -136,6 +136,10 @@ class _Builder:
         return _Prepared(model, program, imported.layers, stages, cached=False)
 
 
+def _builder(path: str | Path, options: ProfileOptions, cache: BuildCache | None) -> _Builder:
+    return _Builder(Path(path), options.bins or None, BuildCache() if cache is None else cache)
+
+
 class _Programs:
     """Programs by batch size (a smaller last batch needs its own build)."""
 
@@ -218,6 +222,115 @@ def _weight_stats(imported: ImportedModel, bins: int | None) -> dict[str, Tensor
     return stats
 
 
+class ModelProfiler:
+    """A model compiled for profiling and the run loop over its data, reusable for any number of
+    data slices: :func:`profile_model` uses one for a whole data set, a Ray worker
+    (:mod:`profiler.distributed`) keeps one for every shard it profiles."""
+
+    def __init__(self, builder: _Builder, prepared: _Prepared):
+        self.prepared = prepared
+        self.programs = _Programs(builder, prepared)
+        self.batch_size = _batch_of(prepared.model)
+        self.bins = builder.bins
+
+    @classmethod
+    def prepare(
+        cls,
+        path: str | Path,
+        *,
+        input_shapes: dict | None = None,
+        options: ProfileOptions = ProfileOptions(),
+        cache: BuildCache | None = None,
+    ) -> ModelProfiler:
+        """Loads and compiles the model for ``options`` (a build-cache hit compiles nothing)."""
+        builder = _builder(path, options, cache)
+        return cls(builder, builder.prepare(builder.request(input_shapes, options.batch_size)))
+
+    def ready_for(self, batch: int) -> None:
+        """Compiles the program for a smaller last batch now, so that a batch size the model
+        cannot take fails before the run rather than at its end."""
+        self.programs.get(batch)
+
+    def observe(
+        self, batches: Iterable[dict[str, np.ndarray]], progress: Callable[[int], None] | None
+    ) -> tuple[dict[str, TensorStats], int]:
+        """Statistics of every profiled tensor over ``batches`` (run in order), and the sample
+        count; ``progress`` gets the samples done after each batch."""
+        stats: dict[str, TensorStats] = dict(self.programs.get(self.batch_size).static)
+        layers = self.prepared.layers
+        input_ids = {r.source_tensor: r.profile_id for r in layers if r.kind == "input"}
+        totals: dict[str, Totals] = {}  # the observed tensors, merged run after run
+        done = 0
+        for batch in batches:
+            size = next(iter(batch.values())).shape[0]
+            self.programs.get(size).run_into(batch, totals)
+            for name, array in batch.items():
+                if np.issubdtype(array.dtype, np.floating):
+                    record = TensorStats.observe(array, self.bins)
+                    previous = stats.get(input_ids[name])
+                    stats[input_ids[name]] = record if previous is None else previous.merge(record)
+            done += size
+            if progress:
+                progress(done)
+        stats.update((profile_id, total.stats()) for profile_id, total in totals.items())
+        return stats, done
+
+    def document(
+        self,
+        stats: dict[str, TensorStats],
+        *,
+        samples: int,
+        batches: int,
+        data: str,
+        options: ProfileOptions,
+        timings: dict[str, float],
+    ) -> dict:
+        """The profile document of statistics that :meth:`observe` returned."""
+        run = {
+            "samples": samples,
+            "batches": batches,
+            "data": data,
+            "options": {**options.to_json(), "batch_size": self.batch_size},
+            "build_cache": "hit" if self.prepared.cached else "miss",
+            "timings": timings,
+            "tvm_version": tvm.__version__,
+        }
+        model, layers = self.prepared.model, self.prepared.layers
+        static_ids = set(self.programs.get(self.batch_size).static)
+        return build_document(
+            model, layers, model.fates, self.prepared.stages, stats, static_ids, run
+        )
+
+
+def _open(
+    model: ModelFacts, data: str, options: ProfileOptions, preprocess: Preprocess | None
+) -> CalibrationData:
+    return open_data(
+        data,
+        model_inputs(model),
+        batch_size=_batch_of(model),
+        samples=options.samples,
+        seed=options.seed,
+        preprocess=preprocess,
+    )
+
+
+def open_calibration(
+    path: str | Path,
+    data: str,
+    *,
+    input_shapes: dict | None = None,
+    options: ProfileOptions = ProfileOptions(),
+    preprocess: Preprocess | None = None,
+    cache: BuildCache | None = None,
+) -> CalibrationData:
+    """The calibration data a profiling run of the model reads, checked against its inputs and
+    in its batches, without compiling anything (the model's facts come from the build cache, or
+    from loading it)."""
+    builder = _builder(path, options, cache)
+    return _open(builder.request(input_shapes, options.batch_size).model, data, options, preprocess)
+
+
 def profile_model(
     path: str | Path,
     data: str,
@@ -229,7 +342,6 @@ def profile_model(
     cache: BuildCache | None = None,
 ) -> dict:
     """Profiles one ONNX model on calibration data; returns the profile document."""
-    path = Path(path)
     timings: dict[str, float] = {}
     start = time.perf_counter()
 
@@ -238,55 +350,25 @@ def profile_model(
         timings[name] = round(now - since, 6)
         return now
 
-    bins = options.bins or None
-    builder = _Builder(path, bins, BuildCache() if cache is None else cache)
+    builder = _builder(path, options, cache)
     request = builder.request(input_shapes, options.batch_size)
-    batch_size = _batch_of(request.model)
-    source = open_data(
-        data,
-        model_inputs(request.model),
-        batch_size=batch_size,
-        samples=options.samples,
-        seed=options.seed,
-        preprocess=preprocess,
-    )
-    prepared = builder.prepare(request)
-    programs = _Programs(builder, prepared)
-    if source.num_samples % batch_size:
-        programs.get(source.num_samples % batch_size)  # fail before the run if it cannot build
+    source = _open(request.model, data, options, preprocess)  # checked before compiling
+    profiler = ModelProfiler(builder, builder.prepare(request))
+    if source.num_samples % source.batch_size:
+        profiler.ready_for(source.num_samples % source.batch_size)
     mark = lap("prepare_s", start)  # load, import, track stages, compile (or cache hits)
 
-    program = programs.get(batch_size)
-    stats: dict[str, TensorStats] = dict(program.static)
-    static_ids = set(stats)
-    input_ids = {r.source_tensor: r.profile_id for r in prepared.layers if r.kind == "input"}
-    totals: dict[str, Totals] = {}  # the observed tensors, merged run after run
-    done = 0
-    for batch in source.batches():
-        size = next(iter(batch.values())).shape[0]
-        programs.get(size).run_into(batch, totals)
-        for name, array in batch.items():
-            if np.issubdtype(array.dtype, np.floating):
-                record = TensorStats.observe(array, bins)
-                previous = stats.get(input_ids[name])
-                stats[input_ids[name]] = record if previous is None else previous.merge(record)
-        done += size
-        if progress:
-            progress(done, source.num_samples)
-    stats.update((profile_id, total.stats()) for profile_id, total in totals.items())
+    def advance(done: int) -> None:
+        progress(done, source.num_samples)
+
+    stats, done = profiler.observe(source.batches(), advance if progress else None)
     lap("run_s", mark)
     timings["total_s"] = round(time.perf_counter() - start, 6)
-
-    run = {
-        "samples": done,
-        "batches": source.num_batches,
-        "data": data,
-        "options": {**options.to_json(), "batch_size": batch_size},
-        "build_cache": "hit" if prepared.cached else "miss",
-        "timings": timings,
-        "tvm_version": tvm.__version__,
-    }
-    model = prepared.model
-    return build_document(
-        model, prepared.layers, model.fates, prepared.stages, stats, static_ids, run
+    return profiler.document(
+        stats,
+        samples=done,
+        batches=source.num_batches,
+        data=data,
+        options=options,
+        timings=timings,
     )
