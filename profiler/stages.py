@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.relax.dpl import is_const, is_op, wildcard
 
 from .lineage import StageReport, Tracked, stage_report
+from .passes.fold_constant import fold_constant_numpy
 from .passes.fold_scale_axis import FoldScaleAxis
 
 STAGE_NAMES = (
@@ -82,9 +83,11 @@ def run_stages(
     patterns: list[relax.transform.FusionPattern] | None = None,
 ) -> list[Stage]:
     """Runs every stage on the tagged initial module and reports lineage after each."""
+    # numpy first: TVM's FoldConstant compiles each call with LLVM; it folds what is left.
+    fold = [Tracked(fold_constant_numpy), Tracked(relax.transform.FoldConstant())]
     plan = [
         ("simplify_inference", "initial", [Tracked(relax.transform.DecomposeOpsForInference())]),
-        ("fold_constant", "simplify_inference", [Tracked(relax.transform.FoldConstant())]),
+        ("fold_constant", "simplify_inference", fold),
         ("fold_scale_axis", "fold_constant", [Tracked(FoldScaleAxis())]),
         ("fuse_ops", "fold_scale_axis", _fuse_ops()),
         ("partition", "fold_scale_axis", _partition(patterns or conv_dense_patterns())),

@@ -6,11 +6,13 @@ import pytest
 import tvm
 from tvm import relax
 
-from profiler.lineage import stage_report, untracked_bindings, verify_lineage
+from profiler.lineage import Tracked, stage_report, untracked_bindings, verify_lineage
+from profiler.passes.fold_constant import fold_constant_numpy
 from profiler.stages import STAGE_NAMES
 from profiler.tracking import track_model
 
 import onnx_builders as mb
+from conftest import zoo_model
 
 BUILDERS = {
     "gemm": mb.gemm,
@@ -137,3 +139,23 @@ def test_stage_modules_still_compute_the_model(tmp_path):
         vm = relax.VirtualMachine(ex, tvm.cpu())
         got = vm["main"](tvm.runtime.tensor(x)).numpy()
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["conv_bn_relu_scale", "digits_cnn"])
+def test_numpy_folding_leaves_what_fold_constant_alone_leaves(name, tmp_path):
+    """The fold_constant stage folds in numpy first (fast); the module, constants bit for bit,
+    and its lineage report are those of TVM's FoldConstant alone."""
+    path = zoo_model(name) if name == "digits_cnn" else mb.save(BUILDERS[name](), tmp_path)
+    tracked = track_model(path)
+    before = tracked.stage("simplify_inference").mod
+    numpy_first = tracked.stage("fold_constant")
+    assert numpy_first.report.bindings < tracked.stage("simplify_inference").report.bindings
+    tvm_only = Tracked(relax.transform.FoldConstant())(before)
+    tvm.ir.assert_structural_equal(numpy_first.mod, tvm_only, map_free_vars=True)
+    ids = {layer.profile_id for layer in tracked.imported.layers}
+    previous = tracked.stage("simplify_inference").report.fates
+    report = stage_report("fold_constant", tvm_only, ids, before, previous)
+    assert report.to_json() == numpy_first.report.to_json()
+    # The numpy pass alone folds every constant chain of these models: nothing left for TVM's.
+    alone = fold_constant_numpy(before)
+    tvm.ir.assert_structural_equal(alone, relax.transform.FoldConstant()(alone))
