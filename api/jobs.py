@@ -66,7 +66,7 @@ def ray_setting() -> dict | None:
     address = os.environ.get(ENV_RAY)
     if not address:
         return None
-    from profiler.distributed import require_ray
+    from profiler.distributed import require_ray  # here: it brings TVM, which only runs need
 
     text = os.environ.get(ENV_RAY_WORKERS, "2")
     if not (text.isdigit() and int(text) > 0):

@@ -247,7 +247,7 @@ def _dispatch(
 
     for shard, arrays in zip(plan, _shard_arrays(source, plan), strict=True):
         arrays_ref = ray.put(arrays)  # once: a retry of the shard reads the same object
-        del arrays
+        del arrays  # the object store has it: no copy here while waiting for a worker
         if not idle:
             collect()
         actor = idle.pop(0)
@@ -292,9 +292,8 @@ def profile_distributed(
 ) -> dict:
     """Profiles one ONNX model on calibration data with ``workers`` Ray workers and ``shards``
     shards (default :data:`SHARDS_PER_WORKER` per worker; never more than the batches), a dead
-    worker restarted and its shard re-run up to ``retries`` times; returns
-    the profile document of :func:`~profiler.profiling.profile_model`, with ``run.distributed``
-    saying how it ran.
+    worker restarted and its shard re-run up to ``retries`` times. Returns the profile document
+    of :func:`~profiler.profiling.profile_model`, with ``run.distributed`` saying how it ran.
 
     ``address`` is ``local`` (a cluster on this machine, for this run) or a Ray address
     (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); a process already connected to Ray uses
@@ -315,6 +314,7 @@ def profile_distributed(
     )
     plan = plan_shards(source.num_samples, source.batch_size, shards or SHARDS_PER_WORKER * workers)
     model = _model_bytes(path)
+    workers = min(workers, len(plan))  # a worker without a shard would only cost its start
     with _connected(ray, address, workers):
         cpus = _worker_cpus(ray, workers)
         worker = ray.remote(ShardProfiler).options(
@@ -325,9 +325,7 @@ def profile_distributed(
             runtime_env={"env_vars": {"TVM_NUM_THREADS": str(cpus)}},
         )
         model_ref = ray.put(model)  # once; every worker reads it on its first shard
-        actors = [
-            worker.remote(path.name, input_shapes, options) for _ in range(min(workers, len(plan)))
-        ]
+        actors = [worker.remote(path.name, input_shapes, options) for _ in range(workers)]
         prepared = time.perf_counter()
         try:
             results = _dispatch(ray, actors, plan, source, data, model_ref, retries, progress)

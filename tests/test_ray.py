@@ -192,17 +192,22 @@ def test_service_ray_setting(monkeypatch):
 
 
 @pytest.mark.zoo
-def test_service_runs_on_ray_give_the_single_process_tensors(cluster, tmp_path, monkeypatch):
+def test_service_runs_on_ray_give_the_single_process_tensors(
+    cluster, single, tmp_path, monkeypatch
+):
     calib = write_calib(tmp_path, count=16)
-    reference = profile_model(zoo_model("digits_cnn"), f"{calib}:calib")
+    options = ProfileOptions(batch_size=8)  # the programs `single` compiled: no compile here
+    reference = profile_model(zoo_model("digits_cnn"), f"{calib}:calib", options=options)
     monkeypatch.setenv(ENV_RAY, cluster)
     monkeypatch.setenv(ENV_RAY_WORKERS, "2")
     limits = Limits(max_model_bytes=400_000, max_data_bytes=200_000)
     with live_service("sqlite", tmp_path, limits) as live:
         model = upload_model(live.owner, zoo_model("digits_cnn")).json()
-        run = wait_for_run(live.owner, start_run(live.owner, model["id"], calib)["id"])
+        queued = start_run(live.owner, model["id"], calib, batch_size="8")
+        run = wait_for_run(live.owner, queued["id"])
         assert run["status"] == "done", run["error"]
         assert (run["samples_done"], run["samples_total"]) == (16, 16)
         served = live.owner.get(f"/api/runs/{run['id']}/profile").json()
     _same_profile(served, reference)
     assert served["run"]["distributed"]["workers"] == 2
+    assert served["run"]["build_cache"] == "hit"
