@@ -84,15 +84,25 @@ class BuildCache:
             vm = relax.VirtualMachine(module, tvm.cpu())
         return vm, json.loads(sidecar.read_text())
 
-    def store(self, key: str, executable, sidecar: dict) -> None:
+    def store_library(self, key: str, executable) -> relax.VirtualMachine:
+        """Exports ``key``'s library and returns a VM on it, loaded from the file: LLVM emits the
+        machine code once, for the file (a VM on the executable itself would JIT it again, 2 s
+        on ResNet-18, 6 s on PP-OCR). The entry is readable once :meth:`store_sidecar` ran."""
         if self.root is None:
-            return
+            return relax.VirtualMachine(executable, tvm.cpu())
         self.root.mkdir(parents=True, exist_ok=True)
         library = self.root / f"{key}.so"
         partial = self.root / f"{key}.{os.getpid()}.partial.so"  # the suffix picks the format
         with _quiet_native_stderr():
             executable.export_library(str(partial))
         os.replace(partial, library)
+        with _quiet_native_stderr():
+            return relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
+
+    def store_sidecar(self, key: str, sidecar: dict) -> None:
+        """Completes ``key``'s entry (after :meth:`store_library`)."""
+        if self.root is None:
+            return
         text = self.root / f"{key}.{os.getpid()}.partial.json"
         text.write_text(json.dumps(sidecar))
         os.replace(text, self.root / f"{key}.json")

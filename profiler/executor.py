@@ -20,6 +20,7 @@ once, by a second function of the same program.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,8 +154,12 @@ def compile_program(
     input_names: list[str],
     bins: int | None = DEFAULT_BINS,
     target: tvm.target.Target | None = None,
+    load: Callable[[relax.VMExecutable], relax.VirtualMachine] | None = None,
 ) -> tuple[relax.VMExecutable, ProfilingProgram]:
-    """Compiles the instrumented program; observes data-independent tensors right away."""
+    """Compiles the instrumented program; observes data-independent tensors right away.
+
+    ``load`` makes the VM from the executable (default: in memory, LLVM's JIT); the build
+    cache exports it first and loads the library instead (:meth:`BuildCache.store_library`)."""
     bins = bins or 0
     inst = instrument(mod, layers)
     functions = {"main": ObservedOutputs(1, tuple(o.channel_axis for o in inst.observed))}
@@ -164,7 +169,7 @@ def compile_program(
     workers = int(target.attrs.get("num-cores", 1))  # the cores the program is built for
     observe = ObserveStatistics(functions, bins, workers)
     executable = build(inst.mod, target, fold_scales=False, layout_passes=[observe])
-    vm = relax.VirtualMachine(executable, tvm.cpu())
+    vm = load(executable) if load else relax.VirtualMachine(executable, tvm.cpu())
     program = ProfilingProgram(vm, input_names, inst.observed, {}, bins)
     if inst.static:
         # Static tensors do not depend on the inputs' values: run once, on zeros.

@@ -6,6 +6,7 @@ time, and per-tensor statistics are fixed-size records merged batch by batch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterable
@@ -119,8 +120,9 @@ class _Builder:
         imported = tracked.imported
         stages = [s.report.to_json() for s in tracked.stages]
         names = list(loaded.input_shapes)
-        executable, program = compile_program(
-            imported.mod, imported.layers, names, self.bins, self.target
+        load = None if key is None else functools.partial(self.cache.store_library, key)
+        _, program = compile_program(
+            imported.mod, imported.layers, names, self.bins, self.target, load
         )
         program.static.update(_weight_stats(imported, self.bins))
         model = replace(loaded.facts, fates=imported.fates)
@@ -132,7 +134,7 @@ class _Builder:
                 "layers": [layer.to_json() for layer in imported.layers],
                 "stages": stages,
             }
-            self.cache.store(key, executable, sidecar)
+            self.cache.store_sidecar(key, sidecar)
         return _Prepared(model, program, imported.layers, stages, cached=False)
 
 
