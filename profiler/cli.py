@@ -35,6 +35,12 @@ InputShapes = Annotated[
 ]
 
 
+def _no_bars() -> bool:
+    """Progress bars only on a terminal: in a log or a pipe they are noise, and rich ends a
+    transient bar there with an empty line, ahead of a one-line error."""
+    return not _err.is_terminal
+
+
 def _fail(err: RangeprofError) -> typer.Exit:
     _err.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
@@ -160,7 +166,7 @@ def profile(
             )
         elif workers is not None or shards is not None:
             raise RangeprofError("--workers and --shards apply to profiling on Ray: add --ray")
-        with Progress(*columns, console=_err, transient=True) as bar:
+        with Progress(*columns, console=_err, transient=True, disable=_no_bars()) as bar:
             task = bar.add_task("compiling", total=None)
 
             def advance(done: int, total: int) -> None:
@@ -389,7 +395,12 @@ def _progress():
     @contextmanager
     def bar():
         with Progress(
-            "{task.description}", BarColumn(), MofNCompleteColumn(), console=_err, transient=True
+            "{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=_err,
+            transient=True,
+            disable=_no_bars(),
         ) as progress:
             task = progress.add_task("compiling", total=None)
 

@@ -33,6 +33,7 @@ import hashlib
 import itertools
 import logging
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -172,6 +173,8 @@ def _connected(ray: ModuleType, address: str, workers: int) -> Iterator[None]:
         yield
         return
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
+    if address != LOCAL:
+        _check_reachable(address)
     try:
         if address == LOCAL:
             cpus = max(os.cpu_count() or 1, workers)
@@ -184,6 +187,18 @@ def _connected(ray: ModuleType, address: str, workers: int) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fails fast on a ``host:port`` (or ``ray://host:port``) nobody listens on: ``ray.init``
+    would retry for minutes before giving up."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and the like: Ray resolves them itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise RangeprofError(f"cannot reach the Ray cluster at {address}: {err}") from None
 
 
 def _worker_cpus(ray: ModuleType, workers: int) -> int:

@@ -21,7 +21,7 @@ runner = CliRunner()
 def _fails_cleanly(args, *needles):
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
+    lines = result.stderr.splitlines()  # exactly one: no blank line either
     assert len(lines) == 1, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -176,6 +177,21 @@ def test_without_ray_everything_else_imports_and_ray_is_a_one_line_error(tmp_pat
     assert result.stderr.splitlines() == [
         "error: profiling on Ray needs the ray package: pip install 'rangeprof[ray]'"
     ]
+    assert not out.exists()
+
+
+def test_an_address_nobody_listens_on_is_a_one_line_error_at_once(tmp_path):
+    pytest.importorskip("ray")
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "p.json"
+    model = zoo_model("digits_cnn")
+    args = ["profile", str(model), "--data", "random", "--out", str(out)]
+    result = _cli(*args, "--ray", f"127.0.0.1:{port}")
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: cannot reach the Ray cluster at 127.0.0.1:{port}")
     assert not out.exists()
 
 
