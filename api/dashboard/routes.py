@@ -1,27 +1,32 @@
 """The dashboard's pages and static files.
 
-Pages are static shells; their scripts fetch everything through the REST API with the token
-the login page stored, so a page itself needs no token and the API's access rules apply
-unchanged (a token sees only its own models). Page URLs name what they show (a model, a layer
-by profileID, a run, two runs, an evaluation) and are shareable.
+Pages are static shells: Jinja2 templates extending ``pages/base.html``, which holds the head,
+the navigation bar and the error banner they share. Their scripts fetch everything through the
+REST API with the token the login page stored, so a page itself needs no token and the API's
+access rules apply unchanged (a token sees only its own models). Page URLs name what they show
+(a model, a layer by profileID, a run, two runs, an evaluation) and are shareable.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, FastAPI
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
 
 HERE = Path(__file__).resolve().parent
 PREFIX = "/dashboard"
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
+templates = Jinja2Templates(directory=HERE / "pages")
 
 
-def _page(name: str) -> FileResponse:
+def _page(request: Request, name: str) -> HTMLResponse:
+    """Page ``name``: its template, running ``static/<name>.js``."""
     # no-cache: pages are tiny, and a new version of the package must show at once.
-    return FileResponse(HERE / "pages" / f"{name}.html", headers={"Cache-Control": "no-cache"})
+    headers = {"Cache-Control": "no-cache"}
+    return templates.TemplateResponse(request, f"{name}.html", {"script": name}, headers=headers)
 
 
 @router.get("")
@@ -30,40 +35,40 @@ def root() -> RedirectResponse:
 
 
 @router.get("/")
-def models() -> FileResponse:
-    return _page("models")
+def models(request: Request) -> HTMLResponse:
+    return _page(request, "models")
 
 
 @router.get("/login")
-def login() -> FileResponse:
-    return _page("login")
+def login(request: Request) -> HTMLResponse:
+    return _page(request, "login")
 
 
 @router.get("/models/{model_id}")
-def model(model_id: int) -> FileResponse:
-    return _page("model")
+def model(request: Request, model_id: int) -> HTMLResponse:
+    return _page(request, "model")
 
 
 @router.get("/models/{model_id}/layer")
-def layer(model_id: int) -> FileResponse:
+def layer(request: Request, model_id: int) -> HTMLResponse:
     """One layer; the profileID and the run are query parameters (``?pid=…&run=…``)."""
-    return _page("layer")
+    return _page(request, "layer")
 
 
 @router.get("/runs/{run_id}")
-def run(run_id: int) -> FileResponse:
-    return _page("run")
+def run(request: Request, run_id: int) -> HTMLResponse:
+    return _page(request, "run")
 
 
 @router.get("/compare")
-def compare() -> FileResponse:
+def compare(request: Request) -> HTMLResponse:
     """Drift from run ``?a=`` to run ``?b=``."""
-    return _page("compare")
+    return _page(request, "compare")
 
 
 @router.get("/evaluations/{evaluation_id}")
-def evaluation(evaluation_id: int) -> FileResponse:
-    return _page("evaluation")
+def evaluation(request: Request, evaluation_id: int) -> HTMLResponse:
+    return _page(request, "evaluation")
 
 
 def mount(app: FastAPI) -> None:
