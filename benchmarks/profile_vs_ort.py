@@ -4,8 +4,8 @@
         [--samples 32] [--rss-samples 32 256] [--json results.json]
 
 Every figure runs in a fresh Python process (so timings include nothing cached in memory and
-peak RSS is that figure's own), all from this one invocation. Figures per model (../shared/models,
-random seeded data shared by both sides):
+peak RSS is that figure's own), all from this one invocation. Figures per model (../shared/models;
+seeded random data written once to an .npz that both sides read):
 
 * ``fp32_ms``: our FP32 latency (batch 1) vs onnxruntime's (``ort_fp32_ms``): the median over
   ``--latency-processes`` processes of each process's median (single processes of ours vary by
@@ -41,12 +41,23 @@ def _model(name: str) -> Path:
     return SHARED / "models" / f"{name}.onnx"
 
 
-def _batches(name: str, samples: int) -> list[dict]:
+def _batches(name: str, samples: int, data: str = "random") -> list[dict]:
     from profiler.data import model_inputs, open_data
     from profiler.onnx_load import load_model
 
-    source = open_data("random", model_inputs(load_model(_model(name))), samples=samples)
+    source = open_data(data, model_inputs(load_model(_model(name))), samples=samples)
     return list(source.batches())
+
+
+def _write_data(name: str, samples: int, path: Path) -> str:
+    """The seeded random samples, one array per model input, as the .npz both sides read: the
+    calibrators get the arrays before their clock starts, ours reads the file as it profiles
+    (generating the data inside our timing would cost ResNet-18 ~1.7 ms a sample)."""
+    import numpy as np
+
+    batches = _batches(name, samples)
+    np.savez(path, **{k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+    return str(path)
 
 
 # --- figures (each runs in its own process) ------------------------------------------------
@@ -89,14 +100,14 @@ def fig_ort_fp32(name: str, runs: int = 40) -> dict:
     return {"ort_fp32_ms": statistics.median(times) * 1e3}
 
 
-def fig_profile(name: str, samples: int, bins: int, cache: str) -> dict:
+def fig_profile(name: str, samples: int, bins: int, cache: str, data: str) -> dict:
     from profiler.build_cache import BuildCache
     from profiler.profiling import ProfileOptions, profile_model
 
     start = time.perf_counter()
     doc = profile_model(
         _model(name),
-        "random",
+        data,
         options=ProfileOptions(bins=bins, samples=samples),
         cache=BuildCache(Path(cache)),
     )
@@ -107,10 +118,10 @@ def fig_profile(name: str, samples: int, bins: int, cache: str) -> dict:
     }
 
 
-def fig_ort_calibrator(name: str, samples: int, method: str) -> dict:
+def fig_ort_calibrator(name: str, samples: int, method: str, data: str) -> dict:
     # Our data first: onnxruntime.quantization puts onnxruntime/transformers on sys.path, whose
     # profiler.py would shadow our `profiler` package.
-    batches = _batches(name, samples)
+    batches = _batches(name, samples, data)
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
     from onnxruntime.quantization.calibrate import create_calibrator
 
@@ -165,24 +176,23 @@ def measure(name: str, samples: int, rss_samples: list[int], processes: int) -> 
         row[f"{label}_ms"] = statistics.median(row[f"{label}_ms_runs"])
         if label == "fp32":
             row["build_s"] = statistics.median(r["build_s"] for r in runs)
-    for label, bins in (("minmax", 0), ("hist", 2048)):
-        with tempfile.TemporaryDirectory() as cache:
-            cold = figure(figure="profile", name=name, samples=samples, bins=bins, cache=cache)
-            warm = figure(figure="profile", name=name, samples=samples, bins=bins, cache=cache)
-            row[f"profile_{label}_cold_s"] = cold["wall_s"]
-            row[f"profile_{label}_warm_s"] = warm["wall_s"]
-            if bins:
-                for n in rss_samples:
-                    run = figure(figure="profile", name=name, samples=n, bins=bins, cache=cache)
-                    row[f"rss_mb@{n}"] = run["peak_rss_mb"]
-    for method in ("MinMax", "Entropy"):
-        ort_run = figure(figure="ort_calibrator", name=name, samples=samples, method=method)
-        row[f"ort_{method.lower()}_s"] = ort_run["wall_s"]
-        if method == "Entropy":
-            n = min(rss_samples)
-            row[f"ort_entropy_rss_mb@{n}"] = figure(
-                figure="ort_calibrator", name=name, samples=n, method=method
-            )["peak_rss_mb"]
+    with tempfile.TemporaryDirectory() as folder:
+        data = _write_data(name, max(samples, *rss_samples), Path(folder) / "data.npz")
+        for label, bins in (("minmax", 0), ("hist", 2048)):
+            with tempfile.TemporaryDirectory() as cache:
+                args = dict(figure="profile", name=name, bins=bins, cache=cache, data=data)
+                cold, warm = figure(**args, samples=samples), figure(**args, samples=samples)
+                row[f"profile_{label}_cold_s"] = cold["wall_s"]
+                row[f"profile_{label}_warm_s"] = warm["wall_s"]
+                if bins:
+                    for n in rss_samples:
+                        row[f"rss_mb@{n}"] = figure(**args, samples=n)["peak_rss_mb"]
+        for method in ("MinMax", "Entropy"):
+            args = dict(figure="ort_calibrator", name=name, method=method, data=data)
+            row[f"ort_{method.lower()}_s"] = figure(**args, samples=samples)["wall_s"]
+            if method == "Entropy":
+                n = min(rss_samples)
+                row[f"ort_entropy_rss_mb@{n}"] = figure(**args, samples=n)["peak_rss_mb"]
     row["fp32_vs_ort"] = row["fp32_ms"] / row["ort_fp32_ms"]
     row["hist_warm_vs_ort_minmax"] = row["profile_hist_warm_s"] / row["ort_minmax_s"]
     row["ort_entropy_vs_hist_warm"] = row["ort_entropy_s"] / row["profile_hist_warm_s"]
