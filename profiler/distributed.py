@@ -47,7 +47,7 @@ import onnx
 
 from .data import CalibrationData, Preprocess
 from .errors import RangeprofError
-from .onnx_load import _graph_tensors
+from .onnx_load import graph_tensors
 from .profile import merge_profiles
 from .profiling import ModelProfiler, ProfileOptions, Progress, open_calibration
 
@@ -157,7 +157,7 @@ def _model_bytes(path: Path) -> bytes:
     """The ONNX file, which workers receive alone: its weights must be inside it."""
     data = path.read_bytes()
     model = onnx.load_model_from_string(data)  # external data stays unread
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in _graph_tensors(model.graph)):
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph_tensors(model.graph)):
         raise RangeprofError(
             f"{path}: keeps weights in external data files, which Ray workers do not receive; "
             "save the model with its weights inside the .onnx file"

@@ -200,7 +200,8 @@ def _parse(data: bytes, source: str) -> onnx.ModelProto:
     return model
 
 
-def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+def graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a graph stores: initializers, sparse ones, node attributes, subgraphs."""
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield from (sparse.values, sparse.indices)
@@ -213,14 +214,14 @@ def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
             for sparse in [*sparse_tensors, *attr.sparse_tensors]:
                 yield from (sparse.values, sparse.indices)
             for subgraph in [attr.g] if attr.HasField("g") else attr.graphs:
-                yield from _graph_tensors(subgraph)
+                yield from graph_tensors(subgraph)
 
 
 def _check_external_data(model: onnx.ModelProto, base_dir: Path | None, source: str) -> bool:
     """Check that every external-data reference stays inside ``base_dir`` and exists, before
     anything is read; tell whether there are any."""
     found = False
-    for tensor in _graph_tensors(model.graph):
+    for tensor in graph_tensors(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         found = True
