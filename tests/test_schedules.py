@@ -8,6 +8,8 @@ onnxruntime only (TVM's default build of ResNet-18 takes seconds per image).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -179,3 +181,38 @@ def test_zoo_matches_onnxruntime(name):
     inputs = model_inputs(load_model(path, ZOO_SHAPES.get(name) or None))
     feeds = next(open_data("random", inputs, samples=1).batches())
     _assert_close(_run(build(mod), list(feeds.values())), session.run(None, feeds)[0])
+
+
+def test_narrow_transposes_go_row_by_row_and_plain_elementwise_stays_vectorised():
+    """An NCHW 3-channel image padded into NHWC: rows in parallel, the 3 channels unrolled (no
+    lane gathers); an elementwise op on the same NHWC shape keeps its fused vector loop."""
+    from tvm import s_tir, te, topi
+
+    from profiler.schedules.elementwise import schedule_generic
+
+    x = te.placeholder((1, 3, 40, 50), "float32", name="x")
+    image = topi.nn.pad(topi.transpose(x, [0, 2, 3, 1]), [0, 1, 1, 0], [0, 1, 1, 0], 0.5)
+    y = te.placeholder((1, 42, 52, 3), "float32", name="y")
+    doubled = topi.multiply(y, 2.0)
+    data = np.random.default_rng(3).normal(size=(1, 3, 40, 50)).astype(np.float32)
+    expected = np.pad(
+        data.transpose(0, 2, 3, 1),
+        [(0, 0), (1, 1), (1, 1), (0, 0)],
+        "constant",
+        constant_values=0.5,
+    )
+    for out, arg, want in ((image, x, expected), (doubled, y, expected * 2)):
+        sch = s_tir.Schedule(te.create_prim_func([arg, out]).with_attr("global_symbol", "main"))
+        schedule_generic(sch)
+        script = sch.mod["main"].script()
+        if out is image:
+            assert "T.parallel(" in script and re.search(r"T\.unroll\((T\.int64\()?3\b", script)
+            assert "T.vectorized(" not in script
+            feed = data
+        else:
+            assert "T.vectorized(" in script
+            feed = expected
+        f = tvm.compile(sch.mod, target=host_target())["main"]
+        result = tvm.runtime.tensor(np.zeros(want.shape, np.float32))
+        f(tvm.runtime.tensor(feed), result)
+        np.testing.assert_array_equal(result.numpy(), want)
