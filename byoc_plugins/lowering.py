@@ -277,6 +277,9 @@ class _Lowerer:
         lowered["main"] = lowered[_LOWERED].with_attr("global_symbol", "main")
         for name in [_LOWERED, *self.by_name]:
             del lowered[name]
+        # Inlined regions leave alias bindings (``y = x``): ConvertLayout stops at them and
+        # transposes back to NCHW (ResNet-18's max pool and residual adds, ~2 ms).
+        lowered = relax.transform.CanonicalizeBindings()(lowered)
         lowered = relax.transform.DeadCodeElimination(["main"])(lowered)
         return lowered, [i for i, _ in self.exposed] if expose else []
 
