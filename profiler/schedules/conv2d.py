@@ -123,7 +123,8 @@ def depthwise_conv2d_nhwc(data, weight, strides, padding, dilation):
     )
 
 
-def _default_legalize(bb: relax.BlockBuilder, call: relax.Call):
+def default_legalize(bb: relax.BlockBuilder, call: relax.Call):
+    """TVM's own conv2d legalization (generic schedule) for what the rules do not cover."""
     return tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")(bb, call)
 
 
@@ -135,7 +136,7 @@ def legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call):
     constant = isinstance(weight, tvm.ir.expr.GenericConst)
     dtypes = {str(data.ty.dtype), str(weight.ty.dtype), str(call.ty.dtype)}
     if layouts != ("NHWC", "OHWI", "NHWC") or not constant or dtypes != {"float32"}:
-        return _default_legalize(bb, call)
+        return default_legalize(bb, call)
     w = weight.value.numpy()  # [O, KH, KW, I / groups]
     out_ch, kh, kw, in_per_group = w.shape
     args = dict(strides=attrs.strides, padding=attrs.padding, dilation=attrs.dilation)
@@ -148,7 +149,7 @@ def legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call):
         packed = w[..., 0].transpose(1, 2, 0)
         kernel = depthwise_conv2d_nhwc
     else:
-        return _default_legalize(bb, call)
+        return default_legalize(bb, call)
     const = relax.const(np.ascontiguousarray(packed), "float32")
     return bb.call_te(kernel, data, const, primfunc_name_hint=kernel.__name__, **args)
 

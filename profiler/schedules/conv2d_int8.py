@@ -39,7 +39,14 @@ import numpy as np
 import tvm
 from tvm import relax, s_tir, te, tirx
 
-from .conv2d import ACCUMULATOR_BYTES, WEIGHT_BYTES, find_block, out_size, schedule_depthwise
+from .conv2d import (
+    ACCUMULATOR_BYTES,
+    WEIGHT_BYTES,
+    default_legalize,
+    find_block,
+    out_size,
+    schedule_depthwise,
+)
 from .dot import mark
 from .elementwise import (
     extent,
@@ -233,17 +240,13 @@ def output_block(width: int, channels: int, instruction: DotInstruction) -> int:
     return best_ob
 
 
-def _default_legalize(bb: relax.BlockBuilder, call: relax.Call):
-    return tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")(bb, call)
-
-
 def legalize_conv2d_int8(bb: relax.BlockBuilder, call: relax.Call):
     """NHWC/OHWI 8-bit conv2d with constant int8 weights → a dot-product or depthwise kernel."""
     attrs = call.attrs
     data, weight = call.args
     layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout)
     if layouts != ("NHWC", "OHWI", "NHWC") or not is_int8(call):
-        return _default_legalize(bb, call)
+        return default_legalize(bb, call)
     w = weight.value.numpy()  # [O, KH, KW, I / groups]
     out_ch, in_per_group = w.shape[0], w.shape[-1]
     args = dict(strides=attrs.strides, padding=attrs.padding, dilation=attrs.dilation)
@@ -259,7 +262,7 @@ def legalize_conv2d_int8(bb: relax.BlockBuilder, call: relax.Call):
         return bb.call_te(kernel, data, packed, primfunc_name_hint=name, **args)
     instruction = dot_instruction(out_ch)
     if attrs.groups != 1 or instruction is None:
-        return _default_legalize(bb, call)
+        return default_legalize(bb, call)
     ob = output_block(int(call.ty.shape[2]), out_ch, instruction)
     offset = instruction.data_offset(str(data.ty.dtype))
     extra = dict(depth=instruction.depth, dtype=instruction.data_dtype, offset=offset)
