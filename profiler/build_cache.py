@@ -40,6 +40,11 @@ def _quiet_native_stderr():
         os.close(saved)
 
 
+def _load_vm(library: Path) -> relax.VirtualMachine:
+    with _quiet_native_stderr():
+        return relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
+
+
 def cache_root() -> Path | None:
     configured = os.environ.get("RANGEPROF_CACHE")
     if configured == "off":
@@ -79,10 +84,7 @@ class BuildCache:
         library, sidecar = self.root / f"{key}.so", self.root / f"{key}.json"
         if not (library.exists() and sidecar.exists()):
             return None
-        with _quiet_native_stderr():
-            module = tvm.runtime.load_module(str(library))
-            vm = relax.VirtualMachine(module, tvm.cpu())
-        return vm, json.loads(sidecar.read_text())
+        return _load_vm(library), json.loads(sidecar.read_text())
 
     def store_library(self, key: str, executable) -> relax.VirtualMachine:
         """Exports ``key``'s library and returns a VM on it, loaded from the file: LLVM emits the
@@ -96,8 +98,7 @@ class BuildCache:
         with _quiet_native_stderr():
             executable.export_library(str(partial))
         os.replace(partial, library)
-        with _quiet_native_stderr():
-            return relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
+        return _load_vm(library)
 
     def store_sidecar(self, key: str, sidecar: dict) -> None:
         """Completes ``key``'s entry (after :meth:`store_library`)."""

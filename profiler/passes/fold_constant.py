@@ -79,6 +79,11 @@ class ConstantFolder(relax.PyExprMutator):
     def _value(self, arg) -> np.ndarray | None:
         return constant_value(self._bound(arg))
 
+    def inlined(self, arg):
+        """The constant ``arg`` is bound to, else ``arg`` itself."""
+        value = self._bound(arg)
+        return value if constant_value(value) is not None else arg
+
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op):
@@ -100,9 +105,7 @@ class ConstantFolder(relax.PyExprMutator):
 @relax.expr_functor.mutator
 class _FoldConstant(ConstantFolder):
     def visit_var_(self, var):
-        # Constants inline wherever they are read, as FoldConstant leaves them.
-        value = self.lookup_binding(var)
-        return value if constant_value(value) is not None else var
+        return self.inlined(var)  # wherever they are read, as FoldConstant leaves them
 
     visit_dataflow_var_ = visit_var_
 

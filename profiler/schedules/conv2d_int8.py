@@ -279,6 +279,24 @@ def schedule_stage(sch: s_tir.Schedule) -> None:
         schedule_spatial(sch, staged)
 
 
+def finish_dot_tile(
+    sch: s_tir.Schedule, block, out, outer, unrolled, reduction, lanes, instruction
+):
+    """What the integer rules share once their loops are split and ordered: ``outer``
+    ``parallel`` with the epilogue ``out`` computed at it, the int32 tile of ``block`` in
+    registers (``unrolled`` loops unrolled, its init split off at ``reduction``), the
+    instruction marked on the ``lanes`` loop and the input stage scheduled."""
+    sch.parallel(outer)
+    sch.reverse_compute_at(out, outer)
+    sch.set_scope(block, 0, "local")
+    for loop in unrolled:
+        sch.unroll(loop)
+    init = sch.decompose_reduction(block, reduction)
+    mark(sch, lanes, instruction)
+    unroll_vectorize_tile(sch, init, out)
+    schedule_stage(sch)
+
+
 def _schedule_dense(sch: s_tir.Schedule, conv, instruction: DotInstruction) -> None:
     """``n, o/ob, y/Y | c/chunk, Y, x/T, ky, kx, c, T, ob/lanes | lanes, depth``."""
     n, y, x, o, ry, rx, rc = sch.get_loops(conv)
@@ -298,16 +316,7 @@ def _schedule_dense(sch: s_tir.Schedule, conv, instruction: DotInstruction) -> N
     oo, ov, ol = sch.split(o, [None, ob // lanes, lanes])
     rco, rci, rcd = sch.split(rc, [None, chunk, depth])
     sch.reorder(n, oo, yo, rco, yi, xo, ry, rx, rci, xi, ov, ol, rcd)
-    outer = sch.fuse(n, oo, yo)
-    sch.parallel(outer)
-    sch.reverse_compute_at(out, outer)
-    sch.set_scope(conv, 0, "local")
-    sch.unroll(xi)
-    sch.unroll(ov)
-    init = sch.decompose_reduction(conv, rco)
-    mark(sch, ol, instruction)
-    unroll_vectorize_tile(sch, init, out)
-    schedule_stage(sch)
+    finish_dot_tile(sch, conv, out, sch.fuse(n, oo, yo), (xi, ov), rco, ol, instruction)
 
 
 def _schedule_depthwise(sch: s_tir.Schedule, conv) -> None:

@@ -25,14 +25,13 @@ from .conv2d_int8 import (
     STAGE,
     corrected,
     correction,
+    finish_dot_tile,
     is_int8,
     output_block,
     pack_weights,
-    schedule_stage,
     stage,
 )
-from .dot import mark
-from .elementwise import extent, inline_epilogue, unroll_vectorize_tile
+from .elementwise import extent, inline_epilogue
 from .isa import dot_instruction
 
 DENSE = "dense_int8"
@@ -110,14 +109,5 @@ def schedule_dense_int8(sch: s_tir.Schedule) -> bool:
     no, nv, nl = sch.split(n, [None, nb // lanes, lanes])
     ko, kd = sch.split(k, [None, depth])
     sch.reorder(mo, no, ko, mi, nv, nl, kd)
-    outer = sch.fuse(mo, no)
-    sch.parallel(outer)
-    sch.reverse_compute_at(out, outer)
-    sch.set_scope(block, 0, "local")
-    sch.unroll(mi)
-    sch.unroll(nv)
-    init = sch.decompose_reduction(block, ko)
-    mark(sch, nl, instruction)
-    unroll_vectorize_tile(sch, init, out)
-    schedule_stage(sch)
+    finish_dot_tile(sch, block, out, sch.fuse(mo, no), (mi, nv), ko, nl, instruction)
     return True

@@ -58,16 +58,12 @@ class _Prepare(ConstantFolder):
         super().__init__(mod)
         self.mod_ = mod
 
-    def _inline(self, arg):
-        value = self.lookup_binding(arg) if isinstance(arg, relax.Var) else None
-        return value if constant_value(value) is not None else arg
-
     def rewrite(self, call):
         if call.op.name == "relax.call_tir":
             return self._clip(call)
         # Constants inline into operator calls (only: the instrumented program's outputs stay
         # variables), as later passes (FoldScaleAxis, ConvertLayout) look for them there.
-        args = [self._inline(a) for a in call.args]
+        args = [self.inlined(a) for a in call.args]
         if call.op.name in _BINARY:
             args = self._full_rank(args)
         return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
