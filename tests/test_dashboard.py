@@ -247,6 +247,14 @@ def tab(browser, live):
     assert tab.errors == [], "script errors on the page"
 
 
+def wait_for_chart(page: Page, canvas: str) -> None:
+    """Until the chart on ``canvas`` exists; the page may not have loaded Chart.js yet (the URL
+    changes as soon as navigation starts)."""
+    page.wait_for_function(
+        "id => typeof Chart !== 'undefined' && Chart.getChart(id) !== undefined", arg=canvas
+    )
+
+
 def table(page: Page, selector: str) -> list[dict]:
     """Rows of a dashboard table: the row's data attributes and each ``data-column`` cell's exact
     value (``data-value``) and colour class."""
@@ -397,7 +405,7 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
     expect(page).to_have_url(
         f"{base_url(live)}/dashboard/models/{model_id}/layer?pid=%2FRelu_1&run={run_id}"
     )
-    page.wait_for_function("Chart.getChart('histogram') !== undefined")
+    wait_for_chart(page, "histogram")
     served = live.owner.get(f"/api/runs/{run_id}/tensor", params={"profile_id": "/Relu_1"}).json()
     tensor, qparams = served["entry"], served["qparams"]
     histogram = tensor["histogram"]
@@ -452,7 +460,7 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
     assert sorted(links.all_inner_texts()) == sorted(set(fused["layers"]) - {"/Relu_1"})
     page.click("#lineage tr[data-stage=fuse_ops] a[data-layer='/c2/Conv']")
     expect(page.locator("#title")).to_have_text("/c2/Conv")
-    page.wait_for_function("Chart.getChart('histogram') !== undefined")
+    wait_for_chart(page, "histogram")
     conv = live.owner.get(f"/api/runs/{run_id}/tensor", params={"profile_id": "/c2/Conv"}).json()
     counts = [point["y"] for point in _chart(page, "histogram")["data"]]
     assert counts == conv["entry"]["histogram"]["counts"]
@@ -462,7 +470,7 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
 def test_weight_layer_shows_its_per_channel_ranges(tab, live, digits):
     page, model_id, run_id = tab.page, digits.model["id"], digits.run["id"]
     page.goto(f"/dashboard/models/{model_id}/layer?pid=weight%3Ac2.weight&run={run_id}")
-    page.wait_for_function("Chart.getChart('per-channel') !== undefined")
+    wait_for_chart(page, "per-channel")
     served = live.owner.get(f"/api/runs/{run_id}/tensor", params={"profile_id": "weight:c2.weight"})
     channels = served.json()["entry"]["per_channel"]
     ranges = page.evaluate("Chart.getChart('per-channel').data.datasets[0].data")

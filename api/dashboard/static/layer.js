@@ -1,6 +1,9 @@
 // One layer of a model, at a shareable URL (?pid=PROFILE_ID&run=RUN): its statistics, the
 // histogram with every calibration method's clipping range drawn on it (linear or log counts),
 // per-channel ranges, and its lineage through the compiler stages.
+// Chart.js's UMD build, imported for its side effect (it sets globalThis.Chart): the module
+// then cannot run before it, whatever order the browser loads the page's scripts in.
+import "./vendor/chart.umd.min.js";
 import {
   api,
   BASE,
