@@ -1,11 +1,12 @@
 """INT8 latency: our x86 INT8 build vs our FP32 build vs onnxruntime FP32 and INT8, one process.
 
 For each model: a profile on ``--samples`` seeded random samples (``rangeprof profile --data
-random``), qparams from it with the x86 policy (``--method``), our INT8 build
-(``byoc_plugins``: x86 plugin, fast CPU path), our FP32 build (``profiler.schedules.build``),
-onnxruntime FP32, and onnxruntime INT8 (``quantize_static``: QDQ, per-channel int8 weights,
-uint8 activations, calibrated (MinMax) on the same samples, after its recommended
-``quant_pre_process``). Median latency over ``--runs``
+random``), qparams from it with the x86 policy (``--method``), our INT8 builds
+(``byoc_plugins``: x86 plugin, fast CPU path) with 8-bit weights and with 7-bit weights
+(``--weight-bits 7``: on x86 without VNNI, ``vpmaddubsw`` instead of ``vpmaddwd``), our FP32
+build (``profiler.schedules.build``), onnxruntime FP32, and onnxruntime INT8
+(``quantize_static``: QDQ, per-channel int8 weights, uint8 activations, calibrated (MinMax) on
+the same samples, after its recommended ``quant_pre_process``). Median latency over ``--runs``
 runs of one more random input, and each INT8 model's output SQNR against its own FP32 model on
 ``--samples`` inputs. Run::
 
@@ -78,6 +79,9 @@ def measure(name: str, samples: int, runs: int, method: str) -> dict:
     start = time.perf_counter()
     int8_vm = relax.VirtualMachine(x86.compile(qm.lower()[0]), tvm.cpu())
     int8_build_s = time.perf_counter() - start
+    x86_w7 = get_plugin("x86", weight_bits=7)
+    qm_w7 = quantize_model(path, qparams_from_profile(profile, x86_w7, method, 99.99), x86_w7)
+    int8_w7_vm = relax.VirtualMachine(x86_w7.compile(qm_w7.lower()[0]), tvm.cpu())
     fp32_vm = relax.VirtualMachine(build(import_onnx(loaded).mod), tvm.cpu())
 
     fp32_session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -104,10 +108,10 @@ def measure(name: str, samples: int, runs: int, method: str) -> dict:
     def theirs(session, feeds):
         return session.run(None, feeds)[0]
 
+    reference = [ours(fp32_vm, b) for b in calibration]
     sqnr = {
-        "ours": _sqnr(
-            [ours(fp32_vm, b) for b in calibration], [ours(int8_vm, b) for b in calibration]
-        ),
+        "ours": _sqnr(reference, [ours(int8_vm, b) for b in calibration]),
+        "ours_w7": _sqnr(reference, [ours(int8_w7_vm, b) for b in calibration]),
         "ort": _sqnr(
             [theirs(fp32_session, b) for b in calibration],
             [theirs(int8_session, b) for b in calibration],
@@ -117,6 +121,7 @@ def measure(name: str, samples: int, runs: int, method: str) -> dict:
     ms = {
         "ours_fp32": median_ms(lambda: fp32_vm["main"](*args), runs),
         "ours_int8": median_ms(lambda: int8_vm["main"](*args), runs),
+        "ours_int8_w7": median_ms(lambda: int8_w7_vm["main"](*args), runs),
         "ort_fp32": median_ms(lambda: fp32_session.run(None, probe), runs),
         "ort_int8": median_ms(lambda: int8_session.run(None, probe), runs),
     }
@@ -130,6 +135,8 @@ def measure(name: str, samples: int, runs: int, method: str) -> dict:
         "ms": {k: round(v, 3) for k, v in ms.items()},
         "int8_speedup_over_our_fp32": round(ms["ours_fp32"] / ms["ours_int8"], 3),
         "ours_int8_vs_ort_int8": round(ms["ours_int8"] / ms["ort_int8"], 3),
+        "int8_w7_speedup_over_our_fp32": round(ms["ours_fp32"] / ms["ours_int8_w7"], 3),
+        "ours_int8_w7_vs_ort_int8": round(ms["ours_int8_w7"] / ms["ort_int8"], 3),
         "output_sqnr_db": {k: round(v, 2) for k, v in sqnr.items()},
     }
 
@@ -148,12 +155,16 @@ def main() -> None:
         row = measure(name, args.samples, args.runs, args.method)
         rows.append(row)
         ms = row["ms"]
+        sqnr = row["output_sqnr_db"]
         print(
-            f"{name:<13} ours fp32 {ms['ours_fp32']:7.2f} ms  int8 {ms['ours_int8']:7.2f} ms "
-            f"({row['int8_speedup_over_our_fp32']:.2f}x) | ort fp32 {ms['ort_fp32']:7.2f} ms  "
-            f"int8 {ms['ort_int8']:7.2f} ms | ours int8 / ort int8 "
-            f"{row['ours_int8_vs_ort_int8']:.2f} | SQNR ours {row['output_sqnr_db']['ours']} dB, "
-            f"ort {row['output_sqnr_db']['ort']} dB",
+            f"{name:<13} ours fp32 {ms['ours_fp32']:7.2f} ms | int8 {ms['ours_int8']:7.2f} ms "
+            f"({row['int8_speedup_over_our_fp32']:.2f}x, "
+            f"{row['ours_int8_vs_ort_int8']:.2f} of ort) "
+            f"| int8 7-bit w {ms['ours_int8_w7']:7.2f} ms "
+            f"({row['int8_w7_speedup_over_our_fp32']:.2f}x, "
+            f"{row['ours_int8_w7_vs_ort_int8']:.2f} of ort) | ort fp32 {ms['ort_fp32']:7.2f} ms "
+            f"int8 {ms['ort_int8']:7.2f} ms | SQNR dB ours {sqnr['ours']}, 7-bit w "
+            f"{sqnr['ours_w7']}, ort {sqnr['ort']}",
             flush=True,
         )
     if args.json:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tvm
@@ -48,8 +48,12 @@ class Plugin:
     runs_here: bool = True  # False: cross-compiled (run elsewhere, or under an emulator)
 
 
-def get_plugin(name: str) -> Plugin:
-    """The plugin of a target name (``x86``, ``aarch64``, ``npu``)."""
+def get_plugin(name: str, weight_bits: int | None = None) -> Plugin:
+    """The plugin of a target name (``x86``, ``aarch64``, ``npu``), its policy's weights in
+    ``weight_bits`` (7 or 8) when given."""
     if name not in TARGETS:
         raise RangeprofError(f"unknown target {name!r}; expected one of {', '.join(TARGETS)}")
-    return importlib.import_module(f"byoc_plugins.{name}").PLUGIN
+    plugin = importlib.import_module(f"byoc_plugins.{name}").PLUGIN
+    if weight_bits is None or weight_bits == plugin.policy.weight_bits:
+        return plugin
+    return replace(plugin, policy=replace(plugin.policy, weight_bits=weight_bits))

@@ -284,6 +284,13 @@ Fallback = Annotated[
 EvalData = Annotated[str | None, typer.Option(help="Evaluation data, FILE.npz:KEY.")]
 Labels = Annotated[str | None, typer.Option(help="Labels for top-1, FILE.npz:KEY.")]
 Samples = Annotated[int | None, typer.Option(help="Use at most this many samples.")]
+WeightBits = Annotated[
+    int,
+    typer.Option(
+        help="8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI multiply "
+        "with vpmaddubsw (faster, a little less accurate)."
+    ),
+]
 
 
 def _labels(spec: str | None):
@@ -349,6 +356,7 @@ def build(
     data: EvalData = None,
     labels: Labels = None,
     samples: Samples = None,
+    weight_bits: WeightBits = 8,
 ) -> None:
     """Compile the model with INT8 regions for a target into a deployable artifact."""
     from byoc_plugins.artifact import build_artifact
@@ -357,7 +365,7 @@ def build(
     from byoc_plugins.quantized import quantize_model
 
     try:
-        plugin = get_plugin(target)
+        plugin = get_plugin(target, weight_bits)
         if accuracy_budget is not None and data is None:
             raise RangeprofError("--accuracy-budget needs --data to measure the drop")
         doc = _qparams_doc(qparams, _load_profile(profile), plugin, method, percentile)
@@ -366,7 +374,7 @@ def build(
         kept: frozenset[str] = frozenset()
         if accuracy_budget is not None:
             # Integer results are the same on every target: measure where the code runs.
-            host = plugin if plugin.runs_here else get_plugin("x86")
+            host = plugin if plugin.runs_here else get_plugin("x86", weight_bits)
             measured = (
                 qm if host is plugin else quantize_model(model, doc, host, shapes, fp32_fallback)
             )
@@ -448,6 +456,7 @@ def evaluate(
     fp32_fallback: Fallback = False,
     accuracy_budget: Budget = None,
     samples: Samples = None,
+    weight_bits: WeightBits = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """FP32 vs INT8: top-1, agreement, output SQNR and per-layer error by profileID."""
@@ -461,7 +470,7 @@ def evaluate(
     try:
         if target not in ("x86", "npu"):
             raise RangeprofError(f"evaluate runs on x86 or npu, not {target!r}")
-        plugin = get_plugin(target)
+        plugin = get_plugin(target, weight_bits)
         methods = list(METHODS) if method == "all" else [method]
         if method == "all" and profile is None:
             raise RangeprofError("--method all needs --profile")

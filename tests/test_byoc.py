@@ -135,8 +135,15 @@ CONVS = {
 }
 
 
+def _integer(weight_bits: int):
+    """:data:`INTEGER` with ``weight_bits``-bit weights (7: ``vpmaddubsw`` on AVX2)."""
+    policy = dataclasses.replace(INTEGER.policy, weight_bits=weight_bits)
+    return dataclasses.replace(INTEGER, policy=policy)
+
+
+@pytest.mark.parametrize("weight_bits", [8, 7])
 @pytest.mark.parametrize("case", sorted(CONVS))
-def test_conv_region_equals_integer_formula(case, tmp_path):
+def test_conv_region_equals_integer_formula(case, weight_bits, tmp_path):
     c_in, c_out, k, stride, pad, dilation, groups, act = CONVS[case]
     rng = np.random.default_rng(len(case))
     w = (rng.normal(size=(c_out, c_in // groups, k, k)) / k).astype(np.float32)
@@ -172,10 +179,12 @@ def test_conv_region_equals_integer_formula(case, tmp_path):
     x = rng.normal(size=(1, c_in, size, size)).astype(np.float32)
     x_q = _asym(-2.5, 3.0, "input:x")  # z_x ≈ 116: padding must pad with it
     out_q = _asym(-4.0, 5.0, out_id)
-    qm, got = _run_region(path, _doc(path, [x_q, out_q]), x)
+    plugin = _integer(weight_bits)
+    qm, got = _run_region(path, _doc(path, [x_q, out_q]), x, plugin)
 
-    wq, w_scales = quantize_weights(w, 0, POLICY)
-    assert np.array_equal(np.abs(wq).max(axis=(1, 2, 3)), np.full(c_out, 127))
+    wq, w_scales = quantize_weights(w, 0, plugin.policy)
+    weight_max = 2 ** (weight_bits - 1) - 1
+    assert np.array_equal(np.abs(wq).max(axis=(1, 2, 3)), np.full(c_out, weight_max))
     acc = _conv_reference(_quantize(x, x_q), x_q["zero_point"], wq, stride, pad, dilation, groups)
     want = _requantize(acc, b, x_q, w_scales, out_q, (1, c_out, 1, 1), lo, hi)
     assert np.array_equal(got, want)
@@ -205,15 +214,18 @@ def test_region_feeding_fp32_leaves_as_scaled_accumulator(tmp_path):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-def test_dense_region_equals_integer_formula(tmp_path):
+@pytest.mark.parametrize("weight_bits", [8, 7])
+def test_dense_region_equals_integer_formula(weight_bits, tmp_path):
     rng = np.random.default_rng(3)
     w, b = rng.normal(size=(12, 32)).astype(np.float32), rng.normal(size=12).astype(np.float32)
     node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
     path = save(single_io_model([node], {"w": w, "b": b}, (4, 32), (4, 12)), tmp_path)
     x = rng.normal(size=(4, 32)).astype(np.float32)
     x_q, out_q = _asym(-3.0, 3.0, "input:x"), _asym(-8.0, 8.0, "fc#2")
-    qm, got = _run_region(path, _doc(path, [x_q, out_q]), x)
-    wq, w_scales = quantize_weights(w.T, 1, POLICY)
+    plugin = _integer(weight_bits)
+    qm, got = _run_region(path, _doc(path, [x_q, out_q]), x, plugin)
+    wq, w_scales = quantize_weights(w.T, 1, plugin.policy)
+    assert np.abs(wq).max() == 2 ** (weight_bits - 1) - 1
     acc = (_quantize(x, x_q) - x_q["zero_point"]) @ wq.astype(np.int64)
     assert np.array_equal(got, _requantize(acc, b, x_q, w_scales, out_q, (12,)))
     assert qm.regions[0].float_region.kind == "matmul"
@@ -370,6 +382,43 @@ def test_cli_build_artifact_loads_and_matches_evaluate(digits_profile, tmp_path)
 
 
 @pytest.mark.zoo
+def test_cli_seven_bit_weights_build_and_evaluate(digits_profile, tmp_path):
+    """``--weight-bits 7``: the manifest says so, the artifact computes what evaluate measures
+    (weights in [-63, 63]), and digits stay within a top-1 point of FP32."""
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(digits_profile))
+    model, runner = zoo_model("digits_cnn"), CliRunner()
+    common = ["--profile", str(profile), "--weight-bits", "7"]
+    result = runner.invoke(app, ["build", str(model), "--out", str(tmp_path / "art"), *common])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert "7-bit ±63" in manifest["policy"]["weights"]
+    library = str(tmp_path / "art" / manifest["library"])
+    x = np.load(SHARED / "data" / "digits.npz")["test"][:1].astype(np.float32)
+    deployed = relax.VirtualMachine(tvm.runtime.load_module(library), tvm.cpu())["main"]
+    seven = get_plugin("x86", weight_bits=7)
+    qm = quantize_model(model, qparams_from_profile(digits_profile, seven, "max", 99.99), seven)
+    in_process = relax.VirtualMachine(seven.compile(qm.lower()[0]), tvm.cpu())["main"]
+    eight = relax.VirtualMachine(X86.compile(_digits_int8(digits_profile)), tvm.cpu())["main"]
+    outputs = [f(tvm.runtime.tensor(x)).numpy() for f in (deployed, in_process, eight)]
+    assert np.array_equal(outputs[0], outputs[1])
+    assert not np.array_equal(outputs[1], outputs[2])  # other weights, other numbers
+
+    data = SHARED / "data" / "digits.npz"
+    args = ["--data", f"{data}:test", "--labels", f"{data}:test_labels", "--samples", "200"]
+    result = runner.invoke(app, ["evaluate", str(model), *common, *args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert abs(report["fp32_top1"] - report["int8_top1"]) <= 1.0
+    assert report["output_sqnr_db"] > 25
+
+
+def _digits_int8(digits_profile) -> tvm.IRModule:
+    doc = qparams_from_profile(digits_profile, X86, "max", 99.99)
+    return quantize_model(zoo_model("digits_cnn"), doc, X86).lower()[0]
+
+
+@pytest.mark.zoo
 def test_accuracy_budget_keeps_the_most_sensitive_layers_fp32(digits_profile):
     # A badly calibrated tensor (its range cut to a twentieth) between two regions costs
     # several points.
@@ -412,6 +461,7 @@ def test_cli_build_errors_are_one_line_exit_2(tmp_path):
         (["--qparams", str(tmp_path / "bad.json")], "not a QPARAMS document"),
         (["--qparams", str(tmp_path / "other.json")], "qparams are for model"),
         (["--qparams", str(tmp_path / "nope.json")], "No such file"),
+        (["--weight-bits", "9", "--qparams", str(tmp_path / "other.json")], "must be 7 or 8"),
     ]
     for args, message in cases:
         result = runner.invoke(app, ["build", str(path), "--out", out, *args])

@@ -36,9 +36,9 @@ class _Layer:
     """Random int8 weights, bias and fixed-point requantization constants for ``channels``
     outputs, and the Relax (``emit``) and numpy (``reference``) forms of the layer."""
 
-    def __init__(self, weight_shape, channels: int, shifts=(34, 40)):
+    def __init__(self, weight_shape, channels: int, shifts=(34, 40), weight_max: int = 128):
         rng = np.random.default_rng(0)
-        self.w = rng.integers(-128, 128, weight_shape).astype("int8")
+        self.w = rng.integers(-weight_max, min(weight_max + 1, 128), weight_shape).astype("int8")
         self.bias = rng.integers(-2000, 2000, channels).astype("int32")
         self.mult = rng.integers(2**30, 2**31, channels).astype("int64")
         self.shift = rng.integers(*shifts, channels).astype("int64")
@@ -132,11 +132,25 @@ CONVS = {
 }
 
 
-def _conv_case(name: str, dtype: str, quantized: bool, shifts=(34, 40)):
+def _extremes(w: np.ndarray, q: np.ndarray, dtype: str, weight_max: int, axes, q_axis: int):
+    """Where weights are within ±``weight_max`` < 128: the largest products ``vpmaddubsw`` sums
+    into int16 (``255 · 64 · 2``, either sign) — input channels 0 and 1 at the largest
+    value, weights ``±weight_max`` on them for output channels 0 and 1 (``axes``: the weight's
+    output and input axes, ``q_axis``: the input's channel axis)."""
+    if weight_max >= 128:
+        return
+    top = np.moveaxis(w, axes, (0, 1))
+    top[0, :2], top[1, :2] = weight_max, -weight_max
+    np.moveaxis(q, q_axis, 0)[:2] = RANGE[dtype][1] - 1
+
+
+def _conv_case(name: str, dtype: str, quantized: bool, shifts=(34, 40), weight_max: int = 128):
     """(module, input, expected output) for one conv family."""
     c_in, c_out, size, kernel, stride, dilation, pad, groups = CONVS[name]
-    layer = _Layer((c_out, c_in // groups, kernel, kernel), c_out, shifts)
+    layer = _Layer((c_out, c_in // groups, kernel, kernel), c_out, shifts, weight_max)
     q, xf = _inputs((1, c_in, size, size), dtype)
+    _extremes(layer.w, q, dtype, weight_max, (0, 1), 1)
+    xf = ((q.astype(np.int64) - ZERO_POINT[dtype]) * X_SCALE).astype(np.float32)
     attrs = dict(strides=stride, dilation=dilation, groups=groups, out_dtype="int32")
 
     def body(bb, x):
@@ -190,10 +204,12 @@ DENSES = {
 }
 
 
-def _dense_case(name: str, dtype: str, quantized: bool):
+def _dense_case(name: str, dtype: str, quantized: bool, weight_max: int = 128):
     shape, columns = DENSES[name]
-    layer = _Layer((shape[-1], columns), columns)
+    layer = _Layer((shape[-1], columns), columns, weight_max=weight_max)
     q, xf = _inputs(shape, dtype)
+    _extremes(layer.w, q, dtype, weight_max, (1, 0), -1)
+    xf = ((q.astype(np.int64) - ZERO_POINT[dtype]) * X_SCALE).astype(np.float32)
 
     def body(bb, x):
         if quantized:
@@ -253,3 +269,51 @@ def test_host_avx2_uses_vpmaddwd():
     if tvm.target.codegen.target_has_features("avx512vnni", target):
         pytest.skip("VNNI machine: vpdpbusd instead")
     assert "vpmaddwd" in _assembly(_conv_case("3x3", "uint8", quantized=True)[0], target)
+
+
+# ------------------------------------------------------------- AVX2: 7-bit weights, vpmaddubsw
+
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+SEVEN_BIT_CONVS = ["3x3", "3x3_stride2_dilation2_odd_channels", "7x7_rgb_stride2", "1x1"]
+
+
+def _avx2_or_skip():
+    if not tvm.target.codegen.target_has_features("avx2", host_target()):
+        pytest.skip("no AVX2 on this machine")
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("name", SEVEN_BIT_CONVS)
+def test_avx2_seven_bit_weights_conv_exact_at_the_int16_limit(name, dtype):
+    """Weights within ±64 go through vpmaddubsw's int16 pair sums: exact up to 255·64·2."""
+    _avx2_or_skip()
+    mod, x, expected = _conv_case(name, dtype, quantized=False, weight_max=64)
+    assert np.abs(expected).max() >= 2 * 255 * 64  # the extremes are in the sums
+    np.testing.assert_array_equal(_run(mod, x, AVX2), expected)
+    mod, x, expected = _conv_case(name, dtype, quantized=True, weight_max=64)
+    np.testing.assert_array_equal(_run(mod, x, AVX2), expected)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("name", ["gemv", "rows_3d", "classifier_k_not_multiple_of_4"])
+def test_avx2_seven_bit_weights_dense_exact_at_the_int16_limit(name, dtype):
+    _avx2_or_skip()
+    mod, x, expected = _dense_case(name, dtype, quantized=False, weight_max=64)
+    np.testing.assert_array_equal(_run(mod, x, AVX2), expected)
+    mod, x, expected = _dense_case(name, dtype, quantized=True, weight_max=64)
+    np.testing.assert_array_equal(_run(mod, x, AVX2), expected)
+
+
+@pytest.mark.parametrize("case", ["conv", "dense"])
+def test_avx2_instruction_follows_the_weight_range(case):
+    """vpmaddubsw only where every weight is within ±64; one weight of -65 (or more) keeps the
+    exact vpmaddwd."""
+
+    def assembly(weight_max):
+        if case == "conv":
+            return _assembly(_conv_case("3x3", "uint8", True, weight_max=weight_max)[0], AVX2)
+        return _assembly(_dense_case("rows_3d", "uint8", True, weight_max=weight_max)[0], AVX2)
+
+    seven_bit, wider = assembly(64), assembly(65)
+    assert "vpmaddubsw" in seven_bit
+    assert "vpmaddubsw" not in wider and "vpmaddwd" in wider

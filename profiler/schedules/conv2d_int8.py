@@ -7,7 +7,8 @@ clamp) that FuseOps puts in the same kernel. After ``ConvertLayout`` to NHWC/OHW
 
 * **Dense conv** (``groups == 1``, any kernel, stride, dilation): an ``int8_stage`` brings the
   activations into the instruction's type (:class:`~.isa.DotInstruction`: uint8 for AVX-512
-  VNNI ``vpdpbusd``, int16 for AVX2 ``vpmaddwd``, int8 for NEON ``sdot``), pads them (with
+  VNNI ``vpdpbusd`` and for AVX2 ``vpmaddubsw`` (weights within ±64), int16 for AVX2
+  ``vpmaddwd`` (any other int8 weights), int8 for NEON ``sdot``), pads them (with
   zero, the conv's own padding) and pads the channels to a multiple of the instruction's
   depth. Flipping int8 ↔ uint8 adds ±128 to every activation; the exact correction
   ``-offset · Σw`` per output channel is computed at build time and added after the
@@ -47,7 +48,7 @@ from .conv2d import (
     out_size,
     schedule_depthwise,
 )
-from .dot import mark
+from .dot import INSTRUCTION, chosen_instruction, mark
 from .elementwise import (
     extent,
     inline_epilogue,
@@ -55,7 +56,7 @@ from .elementwise import (
     schedule_spatial,
     unroll_vectorize_tile,
 )
-from .isa import DotInstruction, dot_instruction, pair_instruction, vector_unit
+from .isa import DOT_INSTRUCTIONS, DotInstruction, dot_instruction, pair_instruction, vector_unit
 
 CONV = "conv2d_int8"
 DEPTHWISE = "depthwise_conv2d_int8"
@@ -115,16 +116,19 @@ def corrected(acc: te.Tensor, offset_fix: tuple) -> te.Tensor:
     return te.compute(acc.shape, lambda *i: acc(*i) + fix[i[-1]], name=CORRECTION)
 
 
-def conv2d_int8_nhwc(data, weight, *offset_fix, strides, padding, dilation, depth, dtype, offset):
+def conv2d_int8_nhwc(data, weight, *offset_fix, strides, padding, dilation, instruction, offset):
     """``out[n, y, x, o] = Σ s[n, y·s + ky·d, x·s + kx·d, c] · w[o / ob, ky, kx, c / depth,
-    (o % ob) · depth + c % depth]`` (+ the offset correction), ``s`` the staged activations."""
+    (o % ob) · depth + c % depth]`` (+ the offset correction), ``s`` the staged activations;
+    ``instruction`` the intrinsic's name (the block names it for the schedule)."""
+    instruction = DOT_INSTRUCTIONS[instruction]
+    depth = instruction.depth
     n, h, w, _ = (int(d) for d in data.shape)
     blocks, kh, kw, groups, packed = (int(d) for d in weight.shape)
     ob = packed // depth
     (sh, sw), (dh, dw) = strides, dilation
     oh = out_size(h, kh, sh, dh, padding[0], padding[2])
     ow = out_size(w, kw, sw, dw, padding[1], padding[3])
-    staged = stage(data, padding, groups * depth, dtype, offset)
+    staged = stage(data, padding, groups * depth, instruction.data_dtype, offset)
     ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
     rc = te.reduce_axis((0, groups * depth), "rc")
     acc = te.compute(
@@ -135,6 +139,7 @@ def conv2d_int8_nhwc(data, weight, *offset_fix, strides, padding, dilation, dept
             axis=[ry, rx, rc],
         ),
         name=CONV,
+        attrs={INSTRUCTION: instruction.intrinsic},
     )
     return corrected(acc, offset_fix)
 
@@ -260,16 +265,22 @@ def legalize_conv2d_int8(bb: relax.BlockBuilder, call: relax.Call):
             packed = relax.const(np.ascontiguousarray(w[..., 0].transpose(1, 2, 0)).astype("int16"))
             kernel, name = depthwise_conv2d_int8_nhwc, DEPTHWISE
         return bb.call_te(kernel, data, packed, primfunc_name_hint=name, **args)
-    instruction = dot_instruction(out_ch)
+    instruction = dot_instruction(out_ch, int(np.abs(w.astype(np.int32)).max()))
     if attrs.groups != 1 or instruction is None:
         return default_legalize(bb, call)
     ob = output_block(int(call.ty.shape[2]), out_ch, instruction)
     offset = instruction.data_offset(str(data.ty.dtype))
-    extra = dict(depth=instruction.depth, dtype=instruction.data_dtype, offset=offset)
     packed = relax.const(pack_weights(w, ob, instruction))
     fix = correction(w, offset)
     operands = (data, packed) if fix is None else (data, packed, fix)
-    return bb.call_te(conv2d_int8_nhwc, *operands, primfunc_name_hint=CONV, **args, **extra)
+    return bb.call_te(
+        conv2d_int8_nhwc,
+        *operands,
+        primfunc_name_hint=CONV,
+        instruction=instruction.intrinsic,
+        offset=offset,
+        **args,
+    )
 
 
 def schedule_stage(sch: s_tir.Schedule) -> None:
@@ -359,8 +370,7 @@ def schedule_conv2d_int8(sch: s_tir.Schedule) -> bool:
     """Schedules a PrimFunc holding an integer NHWC conv; False when there is none."""
     conv = find_block(sch, CONV)
     if conv is not None:
-        channels = int(sch.get(conv).writes[0].source.shape[-1])
-        _schedule_dense(sch, conv, dot_instruction(channels))
+        _schedule_dense(sch, conv, chosen_instruction(sch, conv))
     elif (conv := find_block(sch, DEPTHWISE)) is not None:
         _schedule_depthwise(sch, conv)
     elif (conv := find_block(sch, DEPTHWISE_PAIRS)) is not None:

@@ -17,6 +17,7 @@ batch 1) takes the widest block: four independent accumulators per step instead 
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import relax, s_tir, te, tirx
 
@@ -31,18 +32,22 @@ from .conv2d_int8 import (
     pack_weights,
     stage,
 )
+from .dot import INSTRUCTION, chosen_instruction
 from .elementwise import extent, inline_epilogue
-from .isa import dot_instruction
+from .isa import DOT_INSTRUCTIONS, dot_instruction
 
 DENSE = "dense_int8"
 
 
-def dense_int8(data, weight, *offset_fix, depth, dtype, offset):
+def dense_int8(data, weight, *offset_fix, instruction, offset):
     """``out[…, m, n] = Σ_k s[…, m, k] · w[n / nb, k / depth, (n % nb) · depth + k % depth]``
-    (+ the offset correction), ``s`` the staged activations."""
+    (+ the offset correction), ``s`` the staged activations; ``instruction`` the intrinsic's
+    name (the block names it for the schedule)."""
+    instruction = DOT_INSTRUCTIONS[instruction]
+    depth = instruction.depth
     blocks, groups, packed = (int(d) for d in weight.shape)
     nb = packed // depth
-    staged = stage(data, (), groups * depth, dtype, offset)
+    staged = stage(data, (), groups * depth, instruction.data_dtype, offset)
     k = te.reduce_axis((0, groups * depth), "k")
     acc = te.compute(
         (*data.shape[:-1], blocks * nb),
@@ -52,6 +57,7 @@ def dense_int8(data, weight, *offset_fix, depth, dtype, offset):
             axis=k,
         ),
         name=DENSE,
+        attrs={INSTRUCTION: instruction.intrinsic},
     )
     return corrected(acc, offset_fix)
 
@@ -60,10 +66,12 @@ def legalize_matmul_int8(bb: relax.BlockBuilder, call: relax.Call):
     """8-bit ``matmul`` with a constant int8 ``[K, N]`` right operand → ``dense_int8``."""
     data, weight = call.args
     n = int(weight.ty.shape[-1]) if weight.ty.ndim == 2 else 0
-    instruction = dot_instruction(n) if n else None
-    if not is_int8(call) or data.ty.ndim < 2 or instruction is None:
+    if not is_int8(call) or data.ty.ndim < 2 or not n:
         return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
     w = weight.value.numpy().T  # [N, K]
+    instruction = dot_instruction(n, int(np.abs(w.astype(np.int32)).max()))
+    if instruction is None:
+        return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
     rows = 1
     for dim in data.ty.shape.values[:-1]:
         rows *= int(dim)
@@ -72,8 +80,13 @@ def legalize_matmul_int8(bb: relax.BlockBuilder, call: relax.Call):
     packed = relax.const(pack_weights(w, nb, instruction))
     fix = correction(w, offset)
     operands = (data, packed) if fix is None else (data, packed, fix)
-    extra = dict(depth=instruction.depth, dtype=instruction.data_dtype, offset=offset)
-    return bb.call_te(dense_int8, *operands, primfunc_name_hint=DENSE, **extra)
+    return bb.call_te(
+        dense_int8,
+        *operands,
+        primfunc_name_hint=DENSE,
+        instruction=instruction.intrinsic,
+        offset=offset,
+    )
 
 
 def _flatten_rows(sch: s_tir.Schedule, block, extents: list[int]) -> None:
@@ -95,7 +108,7 @@ def schedule_dense_int8(sch: s_tir.Schedule) -> bool:
     block = find_block(sch, DENSE)
     if block is None:
         return False
-    instruction = dot_instruction(int(sch.get(block).writes[0].source.shape[-1]))
+    instruction = chosen_instruction(sch, block)
     lanes, depth = instruction.lanes, instruction.depth
     nb = int(sch.get(block).reads[-1].source.shape[-1]) // depth
     *batch, m, n, k = sch.get_loops(block)

@@ -26,6 +26,13 @@ from tvm import s_tir, tirx
 from .isa import DOT_INSTRUCTIONS, DotInstruction
 
 ANNOTATION = "rangeprof.dot"
+# On an integer rule's compute block: the instruction its legalization chose (and packed for).
+INSTRUCTION = "rangeprof.instruction"
+
+
+def chosen_instruction(sch: s_tir.Schedule, block) -> DotInstruction:
+    """The instruction ``block`` was legalized for (its :data:`INSTRUCTION` annotation)."""
+    return DOT_INSTRUCTIONS[str(sch.get(block).annotations[INSTRUCTION])]
 
 
 def mark(sch: s_tir.Schedule, loop, instruction: DotInstruction):

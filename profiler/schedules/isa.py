@@ -7,7 +7,9 @@ the current one), and legalizations pack weights for the same unit.
 
 Integer kernels are built around one dot-product instruction (:class:`DotInstruction`, chosen
 by :func:`dot_instruction`): AVX-512 VNNI ``vpdpbusd`` (u8 × s8, 4 products per int32 lane),
-AVX2 ``vpmaddwd`` (int16 pairs: the only exact one without VNNI), NEON ``sdot`` (s8 × s8).
+NEON ``sdot`` (s8 × s8), and on AVX2 either ``vpmaddubsw`` + ``vpmaddwd`` (u8 × s8, 4
+products per lane, exact only for weights within ±64: 7-bit weights) or ``vpmaddwd`` alone
+(int16 pairs, exact for every int8 weight).
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class DotInstruction:
     weight_dtype: str
     accumulates: bool  # the instruction adds into its first operand (else: acc + result)
     registers: int  # vector registers of the target, for the register tile
+    # Largest |weight| for which the instruction is exact (an int8 weight is at most 128).
+    max_weight: int = 128
+    # An instruction that widens the result's int16 pair sums into int32 lanes (multiplying
+    # them by ones), when the first one leaves int16.
+    widen: str = ""
 
     def data_offset(self, dtype: str) -> int:
         """What to add to ``dtype`` activations to bring them into ``data_dtype`` exactly:
@@ -104,6 +111,11 @@ class DotInstruction:
         data_vec = tirx.reinterpret(f"int{8 * _bytes(self.data_dtype)}x{width}", data)
         weight_vec = tirx.reinterpret(f"int{8 * _bytes(self.weight_dtype)}x{width}", weight)
         out = f"int32x{self.lanes}"
+        if self.widen:
+            pairs = f"int16x{2 * self.lanes}"
+            sums = tirx.call_llvm_pure_intrin(pairs, self.intrinsic, data_vec, weight_vec)
+            ones = tirx.Broadcast(tirx.const(1, "int16"), 2 * self.lanes)
+            return acc + tirx.call_llvm_pure_intrin(out, self.widen, sums, ones)
         if self.accumulates:
             return tirx.call_llvm_pure_intrin(out, self.intrinsic, acc, data_vec, weight_vec)
         return acc + tirx.call_llvm_pure_intrin(out, self.intrinsic, data_vec, weight_vec)
@@ -118,14 +130,20 @@ _VNNI = (
     DotInstruction("llvm.x86.avx512.vpdpbusd.512", 16, 4, "uint8", "int8", True, 32),
     DotInstruction("llvm.x86.avx512.vpdpbusd.256", 8, 4, "uint8", "int8", True, 32),
 )
-# No 8-bit dot product on AVX2: vpmaddubsw saturates u8·s8 pairs at int16 (255·127·2 > 32767),
-# vpmaddwd on int16 pairs is exact.
+# No 8-bit dot product on AVX2. vpmaddubsw adds u8·s8 pairs into int16 with saturation: exact
+# while |w| <= 64 (255·64·2 = 32640), then vpmaddwd by ones widens the pair sums to int32 (MLAS's
+# kernel, which saturates on full-range weights). vpmaddwd on int16 pairs is exact for any int8.
+_PMADDUBSW = (
+    DotInstruction(
+        "llvm.x86.avx2.pmadd.ub.sw", 8, 4, "uint8", "int8", False, 16, 64, "llvm.x86.avx2.pmadd.wd"
+    ),
+)
 _PMADDWD = (
     DotInstruction("llvm.x86.avx2.pmadd.wd", 8, 2, "int16", "int16", False, 16),
     DotInstruction("llvm.x86.sse2.pmadd.wd", 4, 2, "int16", "int16", False, 16),
 )
 _SDOT = (DotInstruction("llvm.aarch64.neon.sdot.v4i32.v16i8", 4, 4, "int8", "int8", True, 32),)
-DOT_INSTRUCTIONS = {d.intrinsic: d for d in (*_VNNI, *_PMADDWD, *_SDOT)}
+DOT_INSTRUCTIONS = {d.intrinsic: d for d in (*_VNNI, *_PMADDUBSW, *_PMADDWD, *_SDOT)}
 
 
 def dot_instructions(target: tvm.target.Target | None = None) -> tuple[DotInstruction, ...]:
@@ -141,13 +159,23 @@ def dot_instructions(target: tvm.target.Target | None = None) -> tuple[DotInstru
     if has("avx512vnni", target):
         return _VNNI
     if has("avx2", target):
-        return _PMADDWD
+        return _PMADDUBSW + _PMADDWD
     return ()
 
 
-def dot_instruction(channels: int, target: tvm.target.Target | None = None):
-    """The widest dot instruction of the target whose lanes divide ``channels``, else None."""
-    return next((d for d in dot_instructions(target) if channels % d.lanes == 0), None)
+def dot_instruction(
+    channels: int, max_weight: int = 128, target: tvm.target.Target | None = None
+) -> DotInstruction | None:
+    """The first dot instruction of the target (widest, fastest first) whose lanes divide
+    ``channels`` and which is exact for weights up to ``max_weight`` in magnitude, else None."""
+    return next(
+        (
+            d
+            for d in dot_instructions(target)
+            if channels % d.lanes == 0 and max_weight <= d.max_weight
+        ),
+        None,
+    )
 
 
 def pair_instruction(channels: int, target: tvm.target.Target | None = None):
