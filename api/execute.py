@@ -145,7 +145,7 @@ def _build(job: Job, answer: Callable[..., None]) -> dict:
     from byoc_plugins.quantized import qparams_from_profile, quantize_model
 
     options = job.options
-    plugin = get_plugin(options["target"])
+    plugin = get_plugin(options["target"], options["weight_bits"])
     start = time.perf_counter()
     answer(progress=[0, 3], phase="quantizing")
     if options.get("qparams"):

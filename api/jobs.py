@@ -260,7 +260,7 @@ class Worker:
         with self.db.session() as session:
             build = session.get(Build, build_id)
             model = session.get(Model, build.model_id)
-            options = {"target": build.target}
+            options = {"target": build.target, "weight_bits": build.weight_bits}
             if build.qparams_id is not None:
                 qparams = session.get(QParamsSet, build.qparams_id).document
                 (folder / "qparams.json").write_text(json.dumps(qparams))

@@ -221,6 +221,7 @@ class Build(Base):
     target: Mapped[str] = mapped_column(Text)
     method: Mapped[str | None] = mapped_column(String(16))  # null: built from ``qparams``
     percentile: Mapped[float | None] = mapped_column(Float)
+    weight_bits: Mapped[int] = mapped_column(default=8)  # the policy's weights: 7 or 8 bits
     status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
     # Progress, written by the worker: steps done and the one under way.
     progress: Mapped[float] = mapped_column(Float, default=0.0)

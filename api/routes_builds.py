@@ -59,6 +59,7 @@ def create_build(
             target=body.target,
             method=body.method if derived else None,
             percentile=body.percentile if derived else None,
+            weight_bits=body.weight_bits,
         )
         session.add(build)
     if service.worker is not None:

@@ -398,6 +398,11 @@ class BuildRequest(BaseModel):
     qparams_id: int | None = Field(
         None, description="A stored qparams set of the run (`GET /api/runs/{id}/qparams`)."
     )
+    weight_bits: Literal[7, 8] = Field(
+        8,
+        description="8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI "
+        "multiply with vpmaddubsw (faster, a little less accurate).",
+    )
 
 
 class BuildSummary(_Out):
@@ -408,6 +413,7 @@ class BuildSummary(_Out):
     target: str
     method: str | None = Field(description="null when built from stored qparams.")
     percentile: float | None
+    weight_bits: int
     status: RunStatus
     progress: float = Field(ge=0, le=1, description="Share of the steps done.")
     phase: str | None = Field(description="quantizing, compiling, packing.")

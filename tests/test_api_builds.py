@@ -105,6 +105,7 @@ def test_x86_build_runs_as_an_in_process_build(live, digits, tmp_path):
     queued = response.json()
     assert queued["status"] in ("queued", "running") and queued["manifest"] is None
     assert (queued["model_id"], queued["method"]) == (digits.model["id"], "mse")
+    assert queued["weight_bits"] == 8
     build = wait_for_build(live.owner, queued["id"])
     assert build["progress"] == 1 and build["phase"] is None
     assert {"quantize_s", "compile_s", "export_s", "total_s"} <= set(build["timings"])
@@ -137,11 +138,13 @@ def test_a_build_from_stored_qparams_uses_them(live, digits, tmp_path):
     options = {"method": "max", "granularity": "per-channel"}
     qparams = live.owner.post(f"/api/runs/{run_id}/qparams", json=options).json()
     response = live.owner.post(
-        f"/api/runs/{run_id}/builds", json={"target": "npu", "qparams_id": qparams["id"]}
+        f"/api/runs/{run_id}/builds",
+        json={"target": "npu", "qparams_id": qparams["id"], "weight_bits": 7},
     )
     assert response.status_code == 202, response.text
     build = wait_for_build(live.owner, response.json()["id"])
     assert (build["qparams_id"], build["method"], build["target"]) == (qparams["id"], None, "npu")
+    assert build["weight_bits"] == 7 and "7-bit" in build["manifest"]["policy"]["weights"]
     assert unzip(live.owner, build, tmp_path)["calibration"] == qparams["document"]["options"]
     assert build["manifest"]["calibration"] == qparams["document"]["options"]
 
@@ -166,6 +169,7 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_pat
         (post({"qparams_id": 10**6}), 400, f"has no qparams {10**6}"),
         (post({"qparams_id": foreign, "method": "max"}, run=other["id"]), 400, "not both"),
         (post({"target": "x86", "cores": 4}), 422, "cores"),
+        (post({"weight_bits": 6}), 422, "weight_bits"),
         (post({}, run=failed["id"]), 409, f"run {failed['id']} is failed"),
         (post({}, api=live.stranger), 404, f"run {run_id} not found"),
     ]
