@@ -2,11 +2,13 @@
 
 For each shape (ResNet-18 3×3 convs, a 1×1, a MobileNetV2 depthwise 3×3, the 512→1000
 classifier): our FP32 kernel, our INT8 kernel alone (8-bit × int8 → int32) and with the
-requantize epilogue the quantized graph fuses into it (→ uint8), each the minimum over
-``--repeats`` rounds (the machine is shared: the minimum is the least disturbed run). Modules
-are written in NHWC, so no layout transpose is timed, only the kernel (and, for INT8 on AVX2,
-the int16 stage of its input). ``--single-thread`` runs TVM on one thread and times the CPU time
-of that thread: figures that other processes on the machine barely move. Run::
+requantize epilogue the quantized graph fuses into it (→ uint8), and that again with 7-bit
+weights (``--weight-bits 7``: ``vpmaddubsw`` instead of ``vpmaddwd`` on AVX2), each the minimum
+over ``--repeats`` rounds (the machine is shared: the minimum is the least disturbed run).
+Modules are written in NHWC, so no layout transpose is timed, only the kernel (and, where it
+multiplies int16 with ``vpmaddwd``, the int16 stage of its input). ``--single-thread`` runs
+TVM on one thread and times the CPU time of that thread: figures that other processes on the
+machine barely move. Run::
 
     python benchmarks/int8_kernels.py [--repeats 30] [--single-thread] [--target JSON]
 """
@@ -51,7 +53,9 @@ def _const(value: np.ndarray) -> relax.Constant:
     return relax.const(value, str(value.dtype))
 
 
-def _module(shape, dtype: str, requantize: bool) -> tuple[tvm.IRModule, np.ndarray]:
+def _module(
+    shape, dtype: str, requantize: bool, weight_max: int = 127
+) -> tuple[tvm.IRModule, np.ndarray]:
     """The layer in NHWC/OHWI (dense: [1, K] × [K, N]) on ``dtype`` inputs, and an input."""
     c_in, c_out, size, kernel, stride, groups = shape
     rng = np.random.default_rng(0)
@@ -60,7 +64,7 @@ def _module(shape, dtype: str, requantize: bool) -> tuple[tvm.IRModule, np.ndarr
     w_shape = (c_in, c_out) if kernel == 0 else (c_out, kernel, kernel, c_in // groups)
     if integer:
         x = rng.integers(0, 256, x_shape).astype("uint8")
-        w = rng.integers(-127, 128, w_shape).astype("int8")
+        w = rng.integers(-weight_max, weight_max + 1, w_shape).astype("int8")
     else:
         x = rng.normal(size=x_shape).astype("float32")
         w = rng.normal(size=w_shape).astype("float32")
@@ -103,8 +107,8 @@ def _requantize(bb: relax.BlockBuilder, acc, channels: int, rng) -> relax.Var:
     return bb.emit(relax.op.astype(relax.op.clip(out, 0, 255), "uint8"))
 
 
-def _runner(shape, dtype: str, requantize: bool, target):
-    mod, x = _module(shape, dtype, requantize)
+def _runner(shape, dtype: str, requantize: bool, target, weight_max: int = 127):
+    mod, x = _module(shape, dtype, requantize, weight_max)
     vm = relax.VirtualMachine(build(mod, target), tvm.cpu())
     arg = tvm.runtime.tensor(x)
     return lambda: vm["main"](arg)
@@ -123,6 +127,7 @@ def measure(name: str, repeats: int, target) -> dict:
         "fp32_ms": _runner(shape, "float32", False, target),
         "int8_ms": _runner(shape, "uint8", False, target),
         "int8_requant_ms": _runner(shape, "uint8", True, target),
+        "int8_w7_requant_ms": _runner(shape, "uint8", True, target, weight_max=63),
     }
     # Calibrate the calls per round on the FP32 kernel (~20 ms a round), then interleave the
     # variants round by round so that a busy spell on the shared machine hits all of them.
@@ -132,7 +137,12 @@ def measure(name: str, repeats: int, target) -> dict:
     for _ in range(repeats):
         for key, fn in runners.items():
             best[key] = min(best[key], _once_ms(fn, number))
-    return {"shape": name, **best, "speedup": best["fp32_ms"] / best["int8_requant_ms"]}
+    return {
+        "shape": name,
+        **best,
+        "speedup": best["fp32_ms"] / best["int8_requant_ms"],
+        "speedup_w7": best["fp32_ms"] / best["int8_w7_requant_ms"],
+    }
 
 
 def main() -> None:
@@ -144,14 +154,18 @@ def main() -> None:
     args = parser.parse_args()
     target = tvm.target.Target(args.target) if args.target else host_target()
     print(f"target {target}, {os.environ['TVM_NUM_THREADS']} thread(s)")
-    print(f"{'shape':26s} {'fp32 ms':>9s} {'int8 ms':>9s} {'+requant':>9s} {'fp32/int8':>9s}")
+    print(
+        f"{'shape':26s} {'fp32 ms':>9s} {'int8 ms':>9s} {'+requant':>9s} {'7-bit w':>9s} "
+        f"{'fp32/int8':>9s} {'fp32/7-bit':>10s}"
+    )
     rows = []
     for name in SHAPES:
         row = measure(name, args.repeats, target)
         rows.append(row)
         print(
             f"{name:26s} {row['fp32_ms']:9.3f} {row['int8_ms']:9.3f} "
-            f"{row['int8_requant_ms']:9.3f} {row['speedup']:8.2f}x"
+            f"{row['int8_requant_ms']:9.3f} {row['int8_w7_requant_ms']:9.3f} "
+            f"{row['speedup']:8.2f}x {row['speedup_w7']:9.2f}x"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
