@@ -2,8 +2,10 @@
 
 The integer cores are inlined into the program and built by the fast CPU path
 (:mod:`profiler.schedules`), whose integer rules pick the dot-product instruction of the target:
-``vpdpbusd`` (AVX-512 VNNI) where the CPU has it, ``vpmaddwd`` on AVX2. Activations are
-asymmetric uint8 (the operand ``vpdpbusd`` takes unsigned), weights symmetric int8 per channel.
+``vpdpbusd`` (AVX-512 VNNI) where the CPU has it; on AVX2 ``vpmaddubsw`` where every weight of
+the layer is within ±64 (``get_plugin("x86", weight_bits=7)``, ``--weight-bits 7``), else
+``vpmaddwd``. Activations are asymmetric uint8 (the unsigned operand of ``vpdpbusd`` and
+``vpmaddubsw``), weights symmetric int8 per channel.
 Operators outside the pattern table stay FP32 between quantize / dequantize.
 """
 
