@@ -184,8 +184,9 @@ def test_zoo_matches_onnxruntime(name):
 
 
 def test_narrow_transposes_go_row_by_row_and_plain_elementwise_stays_vectorised():
-    """An NCHW 3-channel image padded into NHWC: rows in parallel, the 3 channels unrolled (no
-    lane gathers); an elementwise op on the same NHWC shape keeps its fused vector loop."""
+    """An NCHW 3-channel image padded into NHWC, and an NHWC one padded to 4 channels: rows in
+    parallel, the channels unrolled (no lane gathers); an elementwise op on the same NHWC shape
+    keeps its fused vector loop."""
     from tvm import s_tir, te, topi
 
     from profiler.schedules.elementwise import schedule_generic
@@ -201,17 +202,22 @@ def test_narrow_transposes_go_row_by_row_and_plain_elementwise_stays_vectorised(
         "constant",
         constant_values=0.5,
     )
-    for out, arg, want in ((image, x, expected), (doubled, y, expected * 2)):
+    four = topi.nn.pad(y, [0, 0, 0, 0], [0, 0, 0, 1], 0.0)
+    cases = (
+        (image, x, data, expected, 3),
+        (four, y, expected, np.pad(expected, [(0, 0)] * 3 + [(0, 1)]), 4),
+        (doubled, y, expected, expected * 2, None),
+    )
+    for out, arg, feed, want, unrolled in cases:
         sch = s_tir.Schedule(te.create_prim_func([arg, out]).with_attr("global_symbol", "main"))
         schedule_generic(sch)
         script = sch.mod["main"].script()
-        if out is image:
-            assert "T.parallel(" in script and re.search(r"T\.unroll\((T\.int64\()?3\b", script)
+        if unrolled:
+            pattern = rf"T\.unroll\((T\.int64\()?{unrolled}\b"
+            assert "T.parallel(" in script and re.search(pattern, script)
             assert "T.vectorized(" not in script
-            feed = data
         else:
             assert "T.vectorized(" in script
-            feed = expected
         f = tvm.compile(sch.mod, target=host_target())["main"]
         result = tvm.runtime.tensor(np.zeros(want.shape, np.float32))
         f(tvm.runtime.tensor(feed), result)

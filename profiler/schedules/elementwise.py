@@ -92,12 +92,18 @@ def unroll_vectorize_tile(sch: s_tir.Schedule, *blocks) -> None:
 
 
 def _reads_in_step(sch: s_tir.Schedule, block) -> bool:
-    """Whether every tensor the block reads is indexed by the block's own axes in order (or is
-    a scalar): then the fused loop walks each of them straight through memory."""
-    iters = [iv.var for iv in sch.get(block).iter_vars]
+    """Whether every tensor the block reads has the block's shape and is indexed by the block's
+    own axes in order (or is a scalar): then the fused loop walks each of them straight through
+    memory. (Padding the channels, 3 → 4, reads in order a tensor of another shape.)"""
+    iters = sch.get(block).iter_vars
     for region in sch.get(block).reads:
         index = [r.min for r in region.region]
-        if index and (len(index) != len(iters) or not all(map(tirx.Var.same_as, iters, index))):
+        if not index:
+            continue
+        if len(index) != len(iters) or not all(
+            iv.var.same_as(i) and int(iv.dom.extent) == int(d)
+            for iv, i, d in zip(iters, index, region.source.shape, strict=True)
+        ):
             return False
     return True
 
