@@ -250,6 +250,30 @@ def output_block(width: int, channels: int, instruction: DotInstruction) -> int:
     return best_ob
 
 
+def dot_kernel(bb: relax.BlockBuilder, kernel, name: str, data, w: np.ndarray, rows: int, **args):
+    """``kernel`` (the conv or the dense compute) of 8-bit ``data`` × int8 weights ``w``
+    (``[O, …, C]``) on the target's dot instruction: the first whose lanes divide ``O`` and which
+    is exact for ``w``'s range, weights packed for it with ``rows`` (the register tile's axis)
+    deciding the output block, the offset correction when the activations change type. None
+    when no instruction fits."""
+    instruction = dot_instruction(w.shape[0], int(np.abs(w.astype(np.int32)).max()))
+    if instruction is None:
+        return None
+    ob = output_block(rows, w.shape[0], instruction)
+    offset = instruction.data_offset(str(data.ty.dtype))
+    packed = relax.const(pack_weights(w, ob, instruction))
+    fix = correction(w, offset)
+    operands = (data, packed) if fix is None else (data, packed, fix)
+    return bb.call_te(
+        kernel,
+        *operands,
+        primfunc_name_hint=name,
+        instruction=instruction.intrinsic,
+        offset=offset,
+        **args,
+    )
+
+
 def legalize_conv2d_int8(bb: relax.BlockBuilder, call: relax.Call):
     """NHWC/OHWI 8-bit conv2d with constant int8 weights → a dot-product or depthwise kernel."""
     attrs = call.attrs
@@ -270,22 +294,12 @@ def legalize_conv2d_int8(bb: relax.BlockBuilder, call: relax.Call):
             packed = relax.const(np.ascontiguousarray(w[..., 0].transpose(1, 2, 0)).astype("int16"))
             kernel, name = depthwise_conv2d_int8_nhwc, DEPTHWISE
         return bb.call_te(kernel, data, packed, primfunc_name_hint=name, **args)
-    instruction = dot_instruction(out_ch, int(np.abs(w.astype(np.int32)).max()))
-    if attrs.groups != 1 or instruction is None:
-        return default_legalize(bb, call)
-    ob = output_block(int(call.ty.shape[2]), out_ch, instruction)
-    offset = instruction.data_offset(str(data.ty.dtype))
-    packed = relax.const(pack_weights(w, ob, instruction))
-    fix = correction(w, offset)
-    operands = (data, packed) if fix is None else (data, packed, fix)
-    return bb.call_te(
-        conv2d_int8_nhwc,
-        *operands,
-        primfunc_name_hint=CONV,
-        instruction=instruction.intrinsic,
-        offset=offset,
-        **args,
-    )
+    if attrs.groups == 1:
+        width = int(call.ty.shape[2])
+        legalized = dot_kernel(bb, conv2d_int8_nhwc, CONV, data, w, width, **args)
+        if legalized is not None:
+            return legalized
+    return default_legalize(bb, call)
 
 
 def schedule_stage(sch: s_tir.Schedule) -> None:

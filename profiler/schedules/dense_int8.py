@@ -17,24 +17,14 @@ batch 1) takes the widest block: four independent accumulators per step instead 
 
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax, s_tir, te, tirx
 
 from .conv2d import find_block
-from .conv2d_int8 import (
-    STAGE,
-    corrected,
-    correction,
-    finish_dot_tile,
-    is_int8,
-    output_block,
-    pack_weights,
-    stage,
-)
+from .conv2d_int8 import STAGE, corrected, dot_kernel, finish_dot_tile, is_int8, stage
 from .dot import INSTRUCTION, chosen_instruction
 from .elementwise import extent, inline_epilogue
-from .isa import DOT_INSTRUCTIONS, dot_instruction
+from .isa import DOT_INSTRUCTIONS
 
 DENSE = "dense_int8"
 
@@ -65,28 +55,15 @@ def dense_int8(data, weight, *offset_fix, instruction, offset):
 def legalize_matmul_int8(bb: relax.BlockBuilder, call: relax.Call):
     """8-bit ``matmul`` with a constant int8 ``[K, N]`` right operand → ``dense_int8``."""
     data, weight = call.args
-    n = int(weight.ty.shape[-1]) if weight.ty.ndim == 2 else 0
-    if not is_int8(call) or data.ty.ndim < 2 or not n:
-        return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
-    w = weight.value.numpy().T  # [N, K]
-    instruction = dot_instruction(n, int(np.abs(w.astype(np.int32)).max()))
-    if instruction is None:
-        return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
-    rows = 1
-    for dim in data.ty.shape.values[:-1]:
-        rows *= int(dim)
-    nb = output_block(rows, n, instruction)
-    offset = instruction.data_offset(str(data.ty.dtype))
-    packed = relax.const(pack_weights(w, nb, instruction))
-    fix = correction(w, offset)
-    operands = (data, packed) if fix is None else (data, packed, fix)
-    return bb.call_te(
-        dense_int8,
-        *operands,
-        primfunc_name_hint=DENSE,
-        instruction=instruction.intrinsic,
-        offset=offset,
-    )
+    if is_int8(call) and data.ty.ndim >= 2 and weight.ty.ndim == 2:
+        rows = 1
+        for dim in data.ty.shape.values[:-1]:
+            rows *= int(dim)
+        w = weight.value.numpy().T  # [N, K]
+        legalized = dot_kernel(bb, dense_int8, DENSE, data, w, rows)
+        if legalized is not None:
+            return legalized
+    return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
 
 
 def _flatten_rows(sch: s_tir.Schedule, block, extents: list[int]) -> None:
