@@ -117,7 +117,7 @@ def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
 
     options = job.options
     profile = json.loads(Path(options["profile"]).read_text())
-    plugin = get_plugin(options["target"])
+    plugin = get_plugin(options["target"], options["weight_bits"])
     qparams = qparams_from_profile(profile, plugin, options["method"], options["percentile"])
     labels = None
     if options["labels"]:  # checked when the evaluation was queued
@@ -131,7 +131,12 @@ def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
         options["samples"],
         progress=lambda phase, done, total: answer(progress=[done, total], phase=phase),
     )
-    return {"method": qparams["options"]["method"], "target": plugin.name, **result.to_json()}
+    return {
+        "method": qparams["options"]["method"],
+        "target": plugin.name,
+        "weight_bits": options["weight_bits"],
+        **result.to_json(),
+    }
 
 
 def _build(job: Job, answer: Callable[..., None]) -> dict:

@@ -250,6 +250,7 @@ class Worker:
                 "method": evaluation.method,
                 "percentile": evaluation.percentile,
                 "target": evaluation.target,
+                "weight_bits": evaluation.weight_bits,
                 "samples": evaluation.samples,
                 "labels": labels,
                 "profile": "profile.json",

@@ -259,6 +259,7 @@ class Evaluation(Base):
     # Options of ``rangeprof evaluate``.
     method: Mapped[str] = mapped_column(String(16))
     target: Mapped[str] = mapped_column(String(16))
+    weight_bits: Mapped[int] = mapped_column(default=8)  # the policy's weights: 7 or 8 bits
     percentile: Mapped[float | None] = mapped_column(Float)  # reports do not record it
     samples: Mapped[int | None]
     # Evaluation data and optional labels: uploaded .npz files (blobs), null for reports.

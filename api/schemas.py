@@ -297,7 +297,13 @@ class LineageOut(BaseModel):
     stages: list[LineageStage]
 
 
-# Evaluations
+# Evaluations and builds
+
+# An int in bounds rather than Literal[7, 8]: form fields arrive as text, which a Literal refuses.
+_WEIGHT_BITS = (
+    "8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI multiply with "
+    "vpmaddubsw (faster, a little less accurate)."
+)
 
 
 class EvaluationRequest(BaseModel):
@@ -320,6 +326,7 @@ class EvaluationRequest(BaseModel):
     percentile: float = Field(99.99, description="For method percentile.")
     target: str = Field("x86", description="x86 | npu")
     samples: int | None = Field(None, ge=1, description="Use at most this many samples.")
+    weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
 
 
 class EvaluatedLayer(BaseModel):
@@ -340,6 +347,7 @@ class EvaluationReport(BaseModel):
 
     method: str
     target: str
+    weight_bits: int = Field(8, ge=7, le=8, description="Absent in reports made before: 8.")
     samples: int = Field(ge=1)
     agreement: float
     output_sqnr_db: float | None
@@ -366,6 +374,7 @@ class EvaluationSummary(BaseModel):
     phase: str | None = Field(description="compiling fp32 / int8 / shadow, evaluating.")
     method: str
     target: str
+    weight_bits: int
     percentile: float | None = Field(description="null for uploaded reports.")
     samples: int | None
     data: NpzRef | None
@@ -383,9 +392,6 @@ class EvaluationOut(EvaluationSummary):
     report: dict[str, Any] | None = Field(description="`rangeprof evaluate --json`, once done.")
 
 
-# Builds
-
-
 class BuildRequest(BaseModel):
     """The options of ``rangeprof build``: qparams derived from the run's profile with the
     target's policy (``method``, ``percentile``), or a stored qparams set of the run."""
@@ -398,11 +404,7 @@ class BuildRequest(BaseModel):
     qparams_id: int | None = Field(
         None, description="A stored qparams set of the run (`GET /api/runs/{id}/qparams`)."
     )
-    weight_bits: Literal[7, 8] = Field(
-        8,
-        description="8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI "
-        "multiply with vpmaddubsw (faster, a little less accurate).",
-    )
+    weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
 
 
 class BuildSummary(_Out):

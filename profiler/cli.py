@@ -502,7 +502,7 @@ def evaluate(
         return (doc.get("int8_top1", doc["agreement"]), doc["output_sqnr_db"] or math.inf)
 
     best_method, best = max(results, key=rank)
-    report = {"method": best_method, "target": target, **best}
+    report = {"method": best_method, "target": target, "weight_bits": weight_bits, **best}
     report["methods"] = [
         {
             "method": name,

@@ -409,6 +409,7 @@ def test_cli_seven_bit_weights_build_and_evaluate(digits_profile, tmp_path):
     result = runner.invoke(app, ["evaluate", str(model), *common, *args, "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    assert report["weight_bits"] == 7
     assert abs(report["fp32_top1"] - report["int8_top1"]) <= 1.0
     assert report["output_sqnr_db"] > 25
 

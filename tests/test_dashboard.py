@@ -121,7 +121,13 @@ def digits(live, tmp_path_factory) -> Digits:
     response = live.owner.post(
         f"/api/runs/{run['id']}/evaluations",
         files={"data": ("digits.npz", data)},
-        data={"key": "test", "labels_key": "test_labels", "method": "mse", "target": "x86"},
+        data={
+            "key": "test",
+            "labels_key": "test_labels",
+            "method": "mse",
+            "target": "x86",
+            "weight_bits": "7",
+        },
     )
     assert response.status_code == 202, response.text
     return Digits(model, run, response.json()["id"])
@@ -608,11 +614,13 @@ def test_evaluation_page_lists_layers_worst_first_and_colours_the_graph(tab, liv
 
 def test_run_page_queues_evaluations_and_takes_reports(tab, live, digits, tmp_path):
     page, run_id = tab.page, digits.run["id"]
-    report = finished_evaluation(live, digits.evaluation_id)["report"]
+    evaluation = finished_evaluation(live, digits.evaluation_id)
+    report = evaluation["report"]
+    assert evaluation["weight_bits"] == report["weight_bits"] == 7  # the worker's plugin's
     page.goto(f"/dashboard/runs/{run_id}")
-    expect(
-        page.locator(f"#evaluations tr[data-evaluation-id='{digits.evaluation_id}']")
-    ).to_have_attribute("data-status", "done")
+    row = page.locator(f"#evaluations tr[data-evaluation-id='{digits.evaluation_id}']")
+    expect(row).to_have_attribute("data-status", "done")
+    expect(row.locator("td").nth(6)).to_have_text("7")
     data = tmp_path / "eval.npz"
     np.savez(data, test=np.load(DIGITS)["test"][:8])
     page.set_input_files("#evaluate input[name=data]", str(data))
@@ -630,7 +638,7 @@ def test_run_page_queues_evaluations_and_takes_reports(tab, live, digits, tmp_pa
     expect(uploaded).to_have_attribute("data-source", "report")
     expect(uploaded).to_have_attribute("data-status", "done")
     stored = live.owner.get(f"/api/evaluations/{uploaded.get_attribute('data-evaluation-id')}")
-    assert stored.json()["report"] == report
+    assert stored.json()["report"] == report and stored.json()["weight_bits"] == 7
     tab.shot("run-evaluations")
 
 
@@ -782,6 +790,7 @@ def test_evaluation_api_refuses_bad_input_and_leaves_nothing_behind(backend_live
         (post(key="x", labels=npz_bytes(y=np.arange(3))), 400, "3 labels for 6 samples"),
         (post(key="x", labels=npz_bytes(a=np.arange(6), b=np.arange(6))), 400, "labels_key"),
         (post(key="x", samples="0"), 422, "samples"),
+        (post(key="x", weight_bits="6"), 422, "weight_bits"),
         (post(key="x", run=synthetic.failed_run_id), 409, "is failed: no data"),
         (post(key="x", api=live.stranger), 404, f"run {synthetic.run_id} not found"),
         (post(data=b"x" * 250_000, key="x"), 413, "larger than the limit"),
@@ -810,6 +819,7 @@ def test_an_uploaded_report_is_stored_listed_and_deleted_with_its_model(backend_
     created = response.json()
     assert created["report"] == report and created["source"] == "report"
     assert (created["status"], created["data"], created["percentile"]) == ("done", None, None)
+    assert created["weight_bits"] == 8  # a report that does not say: 8-bit weights
     assert live.owner.get(f"/api/evaluations/{created['id']}").json() == created
     listed = live.owner.get(f"/api/runs/{synthetic.run_id}/evaluations").json()
     summary = next(e for e in listed if e["id"] == created["id"])

@@ -52,6 +52,7 @@ function showFacts() {
     ["run", el("a", { href: `${BASE}/runs/${evaluation.run_id}` }, `run ${evaluation.run_id}`)],
     ["source", evaluation.source === "report" ? "uploaded report" : "computed by the service"],
     ["method / target", `${evaluation.method} / ${evaluation.target}`],
+    ["weight bits", evaluation.weight_bits],
     ["samples", report.samples ?? evaluation.samples ?? "–"],
     ["output SQNR", report.output_sqnr_db === undefined ? "–" : `${fmt(report.output_sqnr_db)} dB`],
     ["top-1 agreement", report.agreement === undefined ? "–" : `${fmt(report.agreement)} %`],

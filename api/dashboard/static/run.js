@@ -56,6 +56,7 @@ async function loadEvaluations() {
       el("td", {}, progressBar(e.progress, e.phase ?? undefined)),
       el("td", {}, e.method),
       el("td", {}, e.target),
+      el("td", { class: "num" }, e.weight_bits),
       numCell(e.output_sqnr_db),
       numCell(e.agreement),
       numCell(e.int8_top1),
