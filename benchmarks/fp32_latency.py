@@ -1,7 +1,8 @@
 """FP32 latency of our CPU build (profiler.schedules.build) against onnxruntime, same process.
 
 For each shared model: cold build time, median latency over ``--runs`` runs after warm-up, the
-same for onnxruntime's CPUExecutionProvider with default options, and the ratio. Run::
+same for onnxruntime's CPUExecutionProvider with default options (the two timed in
+alternating blocks, :func:`interleaved_median_ms`), and the ratio. Run::
 
     python benchmarks/fp32_latency.py [--runs 50] [--json out.json]
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,15 +35,22 @@ from profiler.onnx_load import load_model  # noqa: E402
 from profiler.schedules import build  # noqa: E402
 
 
-def median_ms(fn, runs: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
+def interleaved_median_ms(fns: dict, runs: int, block: int = 5) -> dict[str, float]:
+    """Median ms of each callable over ``runs`` calls, timed round-robin in blocks of
+    ``block`` so that a slow spell of this shared machine lands on every contender alike
+    instead of on whichever ran during it. Each block follows a pause and an untimed call:
+    a thread pool spins for a while after its last call (onnxruntime's made the next TVM call
+    3-5x slower) and would steal the cores of the next contender."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(math.ceil(runs / block)):
+        for name, fn in fns.items():
+            time.sleep(0.2)
+            fn()
+            for _ in range(block):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t) * 1e3) for name, t in times.items()}
 
 
 def _feeds(mod, session) -> dict[str, np.ndarray]:
@@ -66,8 +75,10 @@ def measure(name: str, runs: int) -> dict:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feeds = _feeds(mod, session)
     args = [tvm.runtime.tensor(x) for x in feeds.values()]
-    ours = median_ms(lambda: vm["main"](*args), runs)
-    theirs = median_ms(lambda: session.run(None, feeds), runs)
+    ms = interleaved_median_ms(
+        {"ours": lambda: vm["main"](*args), "theirs": lambda: session.run(None, feeds)}, runs
+    )
+    ours, theirs = ms["ours"], ms["theirs"]
     return {
         "model": name,
         "build_s": build_s,

@@ -8,7 +8,8 @@ build (``profiler.schedules.build``), onnxruntime FP32, and onnxruntime INT8
 (``quantize_static``: QDQ, per-channel int8 weights, uint8 activations, calibrated (MinMax) on
 the same samples, after its recommended ``quant_pre_process``). Median latency over ``--runs``
 runs of one more random input, and each INT8 model's output SQNR against its own FP32 model on
-``--samples`` inputs. Run::
+``--samples`` inputs. The five are timed round-robin (one run of each per round) so that
+this shared machine's slow spells fall on all of them alike. Run::
 
     python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--json out.json]
 """
@@ -38,7 +39,7 @@ import tvm  # noqa: E402
 from onnxruntime import quantization as ortq  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from benchmarks.fp32_latency import median_ms  # noqa: E402
+from benchmarks.fp32_latency import interleaved_median_ms  # noqa: E402
 from byoc_plugins.plugin import get_plugin  # noqa: E402
 from byoc_plugins.quantized import qparams_from_profile, quantize_model  # noqa: E402
 from profiler.data import model_inputs, open_data  # noqa: E402
@@ -118,13 +119,16 @@ def measure(name: str, samples: int, runs: int, method: str) -> dict:
         ),
     }
     args = [tvm.runtime.tensor(a) for a in probe.values()]
-    ms = {
-        "ours_fp32": median_ms(lambda: fp32_vm["main"](*args), runs),
-        "ours_int8": median_ms(lambda: int8_vm["main"](*args), runs),
-        "ours_int8_w7": median_ms(lambda: int8_w7_vm["main"](*args), runs),
-        "ort_fp32": median_ms(lambda: fp32_session.run(None, probe), runs),
-        "ort_int8": median_ms(lambda: int8_session.run(None, probe), runs),
-    }
+    ms = interleaved_median_ms(
+        {
+            "ours_fp32": lambda: fp32_vm["main"](*args),
+            "ours_int8": lambda: int8_vm["main"](*args),
+            "ours_int8_w7": lambda: int8_w7_vm["main"](*args),
+            "ort_fp32": lambda: fp32_session.run(None, probe),
+            "ort_int8": lambda: int8_session.run(None, probe),
+        },
+        runs,
+    )
     return {
         "model": name,
         "method": method,

@@ -28,11 +28,13 @@ Schedule (dense conv), the FP32 rule's structure (:mod:`.conv2d`) with the instr
 ``n, o/ob, y/Y | c/chunk, Y, x/T, ky, kx, c, T, ob/lanes | lanes, depth``. The ``T × ob``
 int32 accumulators stay in registers, each weight vector feeds ``T`` instructions with a
 broadcast group of ``depth`` activations, and the innermost ``lanes × depth`` loops become one
-instruction call (:mod:`.dot`). The epilogue is computed per tile, the stage once per call,
-both ``parallel`` and vectorised. Depthwise convs keep the FP32 rule's tiling
-``n, c/ob, y, x/T | ky, kx, T, ob``, pairs of taps ``kx`` in one instruction on x86, where each
-parallel task of :data:`DEPTHWISE_ROWS` output rows computes the tap pairs it reads, vectorised
-over channels only (the padding test then holds for a whole vector).
+instruction call (:mod:`.dot`). The epilogue is computed per tile of ``Y`` rows, or, when one
+chunk holds all channels (``c/chunk`` = 1, which then moves inside ``x/T``), right after each
+register tile; the stage once per call; both ``parallel`` and vectorised. Depthwise convs keep
+the FP32 rule's tiling ``n, c/ob, y, x/T | ky, kx, T, ob``, pairs of taps ``kx`` in one
+instruction on x86, where each parallel task of :data:`DEPTHWISE_ROWS` output rows computes
+the tap pairs it reads, vectorised over channels only (the padding test then holds for a whole
+vector).
 """
 
 from __future__ import annotations
@@ -310,14 +312,15 @@ def schedule_stage(sch: s_tir.Schedule) -> None:
 
 
 def finish_dot_tile(
-    sch: s_tir.Schedule, block, out, outer, unrolled, reduction, lanes, instruction
+    sch: s_tir.Schedule, block, out, outer, unrolled, reduction, lanes, instruction, tile=None
 ):
     """What the integer rules share once their loops are split and ordered: ``outer``
-    ``parallel`` with the epilogue ``out`` computed at it, the int32 tile of ``block`` in
+    ``parallel`` with the epilogue ``out`` computed at it (or at the ``tile`` loop, when the
+    whole reduction is under it), the int32 tile of ``block`` in
     registers (``unrolled`` loops unrolled, its init split off at ``reduction``), the
     instruction marked on the ``lanes`` loop and the input stage scheduled."""
     sch.parallel(outer)
-    sch.reverse_compute_at(out, outer)
+    sch.reverse_compute_at(out, outer if tile is None else tile)
     sch.set_scope(block, 0, "local")
     for loop in unrolled:
         sch.unroll(loop)
@@ -345,8 +348,14 @@ def _schedule_dense(sch: s_tir.Schedule, conv, instruction: DotInstruction) -> N
     xo, xi = sch.split(x, [None, tile])
     oo, ov, ol = sch.split(o, [None, ob // lanes, lanes])
     rco, rci, rcd = sch.split(rc, [None, chunk, depth])
-    sch.reorder(n, oo, yo, rco, yi, xo, ry, rx, rci, xi, ov, ol, rcd)
-    finish_dot_tile(sch, conv, out, sch.fuse(n, oo, yo), (xi, ov), rco, ol, instruction)
+    # All input channels in one chunk: each register tile is zeroed, reduced and requantized in
+    # turn, its accumulators never stored (a 1×1 16 → 96 conv alone 30 % faster).
+    whole = extent(sch, rco) == 1
+    tiles = (yi, xo, rco) if whole else (rco, yi, xo)
+    sch.reorder(n, oo, yo, *tiles, ry, rx, rci, xi, ov, ol, rcd)
+    outer = sch.fuse(n, oo, yo)
+    tile = xo if whole else None
+    finish_dot_tile(sch, conv, out, outer, (xi, ov), rco, ol, instruction, tile)
 
 
 def _schedule_depthwise(sch: s_tir.Schedule, conv) -> None:
