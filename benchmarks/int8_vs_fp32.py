@@ -8,8 +8,8 @@ build (``profiler.schedules.build``), onnxruntime FP32, and onnxruntime INT8
 (``quantize_static``: QDQ, per-channel int8 weights, uint8 activations, calibrated (MinMax) on
 the same samples, after its recommended ``quant_pre_process``). Median latency over ``--runs``
 runs of one more random input, and each INT8 model's output SQNR against its own FP32 model on
-``--samples`` inputs. The five are timed round-robin (one run of each per round) so that
-this shared machine's slow spells fall on all of them alike. Run::
+``--samples`` inputs. The five are timed in alternating blocks (``interleaved_median_ms``) so
+that this shared machine's slow spells fall on all of them alike. Run::
 
     python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--json out.json]
 """
