@@ -134,7 +134,7 @@ def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
     return {
         "method": qparams["options"]["method"],
         "target": plugin.name,
-        "weight_bits": options["weight_bits"],
+        "weight_bits": plugin.policy.weight_bits,
         **result.to_json(),
     }
 
