@@ -126,6 +126,7 @@ CONVS = {
     "1x1": (32, 64, 7, 1, 1, 1, 0, 1),
     "depthwise3x3": (32, 32, 10, 3, 1, 1, 1, 32),
     "depthwise3x3_stride2": (24, 24, 13, 3, 2, 1, 1, 24),
+    "depthwise3x3_stride2_dilation2": (24, 24, 13, 3, 2, 2, 2, 24),
     "12_channels_half_width": (8, 12, 6, 3, 1, 1, 1, 1),
     "10_channels_no_instruction": (8, 10, 6, 3, 1, 1, 1, 1),
     "grouped_no_instruction": (16, 32, 8, 3, 1, 1, 1, 4),

@@ -16,7 +16,7 @@ clamp) that FuseOps puts in the same kernel. After ``ConvertLayout`` to NHWC/OHW
   instruction reads ``lanes × depth`` contiguous weights.
 * **Depthwise conv** (``groups == C``): no dot product spans the channels. On x86 the taps
   go in pairs through ``vpmaddwd``: a stage packs ``pad[x]`` and ``pad[x + d]`` (int16 each)
-  into one int32 word per channel, weights are packed to int16 ``[KH, ⌈KW/2⌉, 2C]``, and one
+  into one int32 word per channel (at the columns the conv reads: every other one at stride 2), weights are packed to int16 ``[KH, ⌈KW/2⌉, 2C]``, and one
   instruction does two taps of 8 channels (a 3×3 kernel: 6 instructions instead of 9
   multiplies; with its requantization the int8 layer then runs as fast as the FP32 kernel
   alone). Elsewhere (NEON) weights are widened to int16 ``[KH, KW, C]`` and the kernel
@@ -38,6 +38,8 @@ vector).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import tvm
@@ -172,23 +174,25 @@ def depthwise_conv2d_int8_nhwc(data, weight, strides, padding, dilation):
 
 
 def depthwise_conv2d_int8_pairs(data, weight, strides, padding, dilation, kernel_w):
-    """``out[n, y, x, c] = Σ half(p[n, y·s + ky·d, x·s + 2·kp·d, c], j) · w[ky, kp, 2c + j]``,
-    ``p`` the tap pairs: int32 words holding ``pad[n, y, x, c]`` (low int16) and
-    ``pad[n, y, x + d, c]`` (high int16), so taps ``kx = 2kp + j``."""
+    """``out[n, y, x, c] = Σ half(p[n, y·s + ky·d, (x·s + 2·kp·d) / g, c], j) · w[ky, kp, 2c + j]``,
+    ``p`` the tap pairs: at ``x / g`` an int32 word holding ``pad[n, y, x, c]`` (low int16) and
+    ``pad[n, y, x + d, c]`` (high int16), so taps ``kx = 2kp + j``; only the columns the conv
+    reads, multiples of ``g = gcd(s, 2d)`` (a stride-2 conv reads every other pair)."""
     n, h, w, c = (int(d) for d in data.shape)
     kh, pairs, _ = (int(d) for d in weight.shape)
     (sh, sw), (dh, dw) = strides, dilation
     top, left, bottom, right = padding
     oh = out_size(h, kh, sh, dh, top, bottom)
     ow = out_size(w, kernel_w, sw, dw, left, right)
+    step = math.gcd(sw, 2 * dw)
 
     def tap(b, y, x, k):  # past the right edge too: the tap of a zero weight
         inside = tirx.all(y >= top, y < h + top, x >= left, x < w + left)
         return tirx.if_then_else(inside, data[b, y - top, x - left, k].astype("int32"), 0)
 
     paired = te.compute(
-        (n, h + top + bottom, w + left + right, c),
-        lambda b, y, x, k: (tap(b, y, x + dw, k) << 16) | (tap(b, y, x, k) & 0xFFFF),
+        (n, h + top + bottom, -(-(w + left + right) // step), c),
+        lambda b, y, x, k: (tap(b, y, x * step + dw, k) << 16) | (tap(b, y, x * step, k) & 0xFFFF),
         name=STAGE,
     )
     ry, rp, rj = (
@@ -201,7 +205,7 @@ def depthwise_conv2d_int8_pairs(data, weight, strides, padding, dilation, kernel
     return te.compute(
         (n, oh, ow, c),
         lambda b, y, x, k: te.sum(
-            half(paired[b, y * sh + ry * dh, x * sw + 2 * rp * dw, k], rj)
+            half(paired[b, y * sh + ry * dh, x * (sw // step) + rp * (2 * dw // step), k], rj)
             * weight[ry, rp, 2 * k + rj].astype("int32"),
             axis=[ry, rp, rj],
         ),

@@ -7,7 +7,8 @@ Rules (each PrimFunc that no operator rule claims gets :func:`schedule_generic`)
   epilogues then cost no memory pass of their own.
 * **Spatial blocks**: all loops fused, split into a ``parallel`` outer loop over both cores and a
   16-wide inner loop (one AVX-512 or two AVX2 vectors of float32) that is vectorised when the
-  extent divides evenly, so no tail predicate lands in the vector loop. Tiny blocks stay
+  extent divides evenly, so no tail predicate lands in the vector loop (narrower, 8 or 4, when
+  the last axis is no multiple of 16: a vector then never spans two of its rows). Tiny blocks stay
   serial: waking the thread pool costs more than they do. Padding or transposing into a last
   axis narrower than a vector (3 image channels) goes row by row instead (see
   :func:`schedule_spatial`).
@@ -126,9 +127,15 @@ def schedule_spatial(sch: s_tir.Schedule, block) -> None:
             sch.parallel(rows)
         sch.unroll(loops[-1])
         return
+    # Vectors must not straddle rows of the last axis: with 24 channels a 16-wide vector does,
+    # its lanes' indices no longer form one ramp, and it gathers (a quantize 6× slower); the
+    # largest power of two dividing that axis keeps every vector one contiguous load.
+    last = extent(sch, loops[-1])
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     total = extent(sch, fused)
     inner = VECTOR if total % VECTOR == 0 else largest_divisor(total, VECTOR)
+    if last % VECTOR and math.gcd(last, VECTOR) >= 4:
+        inner = math.gcd(last, VECTOR)
     outer, inner_loop = sch.split(fused, [None, inner])
     if inner > 1:
         sch.vectorize(inner_loop)
