@@ -1,8 +1,10 @@
 """FP32 latency of our CPU build (profiler.schedules.build) against onnxruntime, same process.
 
-For each shared model: cold build time, median latency over ``--runs`` runs after warm-up, the
+For each shared model: cold build time, median latency over ``--runs`` runs after warm-up (of
+block medians), the
 same for onnxruntime's CPUExecutionProvider with default options (the two timed in
-alternating blocks, :func:`interleaved_median_ms`), and the ratio. Run::
+alternating blocks, :func:`interleaved_blocks_ms`), and the ratio (within each round of blocks,
+the median over rounds: :func:`round_ratio`). Run::
 
     python benchmarks/fp32_latency.py [--runs 50] [--json out.json]
 """
@@ -35,22 +37,36 @@ from profiler.onnx_load import load_model  # noqa: E402
 from profiler.schedules import build  # noqa: E402
 
 
-def interleaved_median_ms(fns: dict, runs: int, block: int = 5) -> dict[str, float]:
-    """Median ms of each callable over ``runs`` calls, timed round-robin in blocks of
-    ``block`` so that a slow spell of this shared machine lands on every contender alike
-    instead of on whichever ran during it. Each block follows a pause and an untimed call:
-    a thread pool spins for a while after its last call (onnxruntime's made the next TVM call
-    3-5x slower) and would steal the cores of the next contender."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+def interleaved_blocks_ms(fns: dict, runs: int, block: int = 5) -> dict[str, list[float]]:
+    """Each callable's median ms per block of ``block`` calls, ``⌈runs / block⌉`` blocks timed
+    round-robin (round ``r`` is block ``r`` of every contender) so that a slow spell of this
+    shared machine lands on every contender alike instead of on whichever ran during it. Each
+    block follows a pause and an untimed call: a thread pool spins for a while after its last
+    call (onnxruntime's made the next TVM call 3-5x slower) and would steal the cores of the
+    next contender."""
+    blocks: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(math.ceil(runs / block)):
         for name, fn in fns.items():
             time.sleep(0.2)
             fn()
+            times = []
             for _ in range(block):
                 start = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t) * 1e3) for name, t in times.items()}
+                times.append(time.perf_counter() - start)
+            blocks[name].append(float(np.median(times) * 1e3))
+    return blocks
+
+
+def median_ms(blocks: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each contender's block medians."""
+    return {name: float(np.median(b)) for name, b in blocks.items()}
+
+
+def round_ratio(blocks: dict[str, list[float]], a: str, b: str) -> float:
+    """``a``'s time over ``b``'s, the median over rounds of the ratio within each round: the
+    machine's speed drifts by tens of percent over a run, a round's contenders share it."""
+    return float(np.median(np.divide(blocks[a], blocks[b])))
 
 
 def _feeds(mod, session) -> dict[str, np.ndarray]:
@@ -75,16 +91,16 @@ def measure(name: str, runs: int) -> dict:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feeds = _feeds(mod, session)
     args = [tvm.runtime.tensor(x) for x in feeds.values()]
-    ms = interleaved_median_ms(
+    blocks = interleaved_blocks_ms(
         {"ours": lambda: vm["main"](*args), "theirs": lambda: session.run(None, feeds)}, runs
     )
-    ours, theirs = ms["ours"], ms["theirs"]
+    ms = median_ms(blocks)
     return {
         "model": name,
         "build_s": build_s,
-        "tvm_ms": ours,
-        "ort_ms": theirs,
-        "ratio": ours / theirs,
+        "tvm_ms": ms["ours"],
+        "ort_ms": ms["theirs"],
+        "ratio": round_ratio(blocks, "ours", "theirs"),
     }
 
 

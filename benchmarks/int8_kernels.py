@@ -2,7 +2,8 @@
 
 For each shape (ResNet-18 3×3 convs, a 1×1, a MobileNetV2 depthwise 3×3, the 512→1000
 classifier): our FP32 kernel, our INT8 kernel alone (8-bit × int8 → int32) and with the
-requantize epilogue the quantized graph fuses into it (→ uint8), and that again with 7-bit
+requantize epilogue the quantized graph fuses into it (→ uint8, as the x86 policy
+requantizes), and that again with 7-bit
 weights (``--weight-bits 7``: ``vpmaddubsw`` instead of ``vpmaddwd`` on AVX2), each the minimum
 over ``--repeats`` rounds (the machine is shared: the minimum is the least disturbed run).
 Modules are written in NHWC, so no layout transpose is timed, only the kernel (and, where it
@@ -36,6 +37,9 @@ _clock = time.thread_time if SINGLE else time.perf_counter
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
+from byoc_plugins.lowering import requantize  # noqa: E402
+from byoc_plugins.plugin import get_plugin  # noqa: E402
+from byoc_plugins.policy import ActivationQ  # noqa: E402
 from profiler.schedules import build, host_target  # noqa: E402
 
 # name: (channels in, channels out, size, kernel, stride, groups); kernel 0 is a dense layer.
@@ -96,15 +100,13 @@ def _module(
 
 
 def _requantize(bb: relax.BlockBuilder, acc, channels: int, rng) -> relax.Var:
-    """bias, int64 fixed-point multiply, rounding shift, zero point, clamp, uint8."""
+    """The epilogue of an x86 region: bias, then the lowering's requantization the x86 policy's
+    way (zero point 3, clamped to uint8)."""
     acc = bb.emit(relax.op.add(acc, _const(rng.integers(-999, 999, channels).astype("int32"))))
-    wide = bb.emit(relax.op.astype(acc, "int64"))
-    wide = bb.emit(relax.op.multiply(wide, _const(rng.integers(2**30, 2**31, channels))))
-    shift = rng.integers(36, 40, channels)
-    wide = bb.emit(relax.op.add(wide, _const(np.int64(1) << (shift - 1))))
-    wide = bb.emit(relax.op.right_shift(wide, _const(shift)))
-    out = bb.emit(relax.op.add(relax.op.astype(wide, "int32"), _const(np.int32(3))))
-    return bb.emit(relax.op.astype(relax.op.clip(out, 0, 255), "uint8"))
+    multiplier = np.exp2(-rng.uniform(6, 9, channels))
+    out = ActivationQ("output", 1.0, 3, "uint8")
+    way = get_plugin("x86").policy.requantize
+    return requantize(bb, acc, multiplier, (channels,), out, (0, 255), way)
 
 
 def _runner(shape, dtype: str, requantize: bool, target, weight_max: int = 127):

@@ -8,8 +8,9 @@ Each INT8 region's composite call in ``main`` becomes
 
 and the **core** (:func:`integer_core`) is, in plain Relax integer operators:
 ``pad`` with ``z_x`` → ``conv2d`` / ``matmul`` (8-bit × int8 → int32) → ``+ bias`` (int32) →
-fixed-point requantize (int64 multiply, add the rounding constant, arithmetic shift) →
-``+ z_y`` → clamp → 8 bits (formulas in :mod:`.policy`). A region whose input is the output of
+requantize as the policy says (fixed point: int64 multiply, add the rounding constant,
+arithmetic shift; or float: float32 multiply, round) → ``+ z_y`` → clamp → 8 bits (formulas
+in :mod:`.policy`). A region whose input is the output of
 another INT8 region with the same qparams takes that region's ``y_q`` directly: chains of
 regions stay in 8 bits, and dequantize / quantize pairs are left only where an FP32 operator
 sits between them.
@@ -38,9 +39,12 @@ from profiler.spans import with_ids
 
 from .patterns import CONV2D
 from .policy import (
+    FIXED_POINT,
+    FLOAT,
     ActivationQ,
     QuantPolicy,
     fixed_point,
+    float_requantize_fits,
     int32_bias,
     output_clamp,
     quantize_weights,
@@ -95,23 +99,50 @@ def integer_core(
             acc = bb.emit(acc)
             acc = bb.emit(relax.op.add(acc, _const(bias.reshape(per_channel), "int32")))
             if integer_output:
-                multiplier, shift = fixed_point(x.scale * w_scales / y.scale)
+                m = x.scale * w_scales / y.scale
                 bounds = output_clamp(y, fr.clamp)
-                out = _requantize(bb, acc, multiplier, shift, per_channel, y, bounds)
+                axis = fr.channel_axis
+                way = policy.requantize
+                if way == FLOAT and not float_requantize_fits(wq, bias, axis, x, m):
+                    way = FIXED_POINT
+                out = requantize(bb, acc, m, per_channel, y, bounds, way)
             else:
                 out = _float_output(bb, acc, x.scale * w_scales, per_channel, fr.clamp)
         bb.emit_func_output(out)
     return bb.get()[name]
 
 
-def _requantize(bb, acc, multiplier, shift, per_channel, y: ActivationQ, bounds):
+def requantize(bb, acc, multiplier: np.ndarray, per_channel, y: ActivationQ, bounds, way: str):
+    """The int32 accumulator ``acc`` scaled by ``multiplier`` (float64, one per channel, shaped
+    by ``per_channel``) the ``way`` a policy names, ``+ z_y``, clamped to ``bounds``, in ``y``'s
+    8-bit type."""
+    if way == FLOAT:
+        return _requantize_float(bb, acc, multiplier, per_channel, y, bounds)
+    m, shift = fixed_point(multiplier)
+    return _requantize_fixed_point(bb, acc, m, shift, per_channel, y, bounds)
+
+
+def _requantize_fixed_point(bb, acc, multiplier, shift, per_channel, y: ActivationQ, bounds):
     """``((acc · M + 2^(S−1)) >> S) + z_y``, clamped, in ``y``'s 8-bit type."""
     wide = bb.emit(relax.op.astype(acc, "int64"))
     wide = bb.emit(relax.op.multiply(wide, _const(multiplier.reshape(per_channel), "int64")))
     half = (np.int64(1) << (shift - 1)).reshape(per_channel)
     wide = bb.emit(relax.op.add(wide, _const(half, "int64")))
     wide = bb.emit(relax.op.right_shift(wide, _const(shift.reshape(per_channel), "int64")))
-    out = bb.emit(relax.op.astype(wide, "int32"))
+    return _finish(bb, bb.emit(relax.op.astype(wide, "int32")), y, bounds)
+
+
+def _requantize_float(bb, acc, multiplier, per_channel, y: ActivationQ, bounds):
+    """``round(float32(acc) · m) + z_y`` (round half to even: TVM's ``round``), clamped, in
+    ``y``'s 8-bit type; the clamp stays in int32, where the 8-bit packing does it for free."""
+    scaled = bb.emit(relax.op.astype(acc, "float32"))
+    scaled = bb.emit(relax.op.multiply(scaled, _const(multiplier.reshape(per_channel), "float32")))
+    rounded = bb.emit(relax.op.round(scaled))
+    return _finish(bb, bb.emit(relax.op.astype(rounded, "int32")), y, bounds)
+
+
+def _finish(bb, out, y: ActivationQ, bounds):
+    """``out + z_y``, clamped to ``bounds``, in ``y``'s 8-bit type."""
     out = bb.emit(relax.op.add(out, _const(y.zero_point, "int32")))
     out = bb.emit(relax.op.maximum(out, _const(bounds[0], "int32")))
     out = bb.emit(relax.op.minimum(out, _const(bounds[1], "int32")))

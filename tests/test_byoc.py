@@ -23,7 +23,16 @@ from typer.testing import CliRunner
 from byoc_plugins.evaluate import evaluate
 from byoc_plugins.lowering import FP32
 from byoc_plugins.plugin import get_plugin
-from byoc_plugins.policy import QuantPolicy, fixed_point, quantize_weights, requantize_reference
+from byoc_plugins.policy import (
+    FIXED_POINT,
+    FLOAT,
+    REQUANTIZE,
+    QuantPolicy,
+    fixed_point,
+    float_requantize_reference,
+    quantize_weights,
+    requantize_reference,
+)
 from byoc_plugins.quantized import qparams_from_profile, quantize_model
 from profiler.cli import app
 from profiler.errors import RangeprofError
@@ -100,10 +109,16 @@ def _conv_reference(xq, zx, wq, stride, pad, dilation, groups):
     return out
 
 
-def _requantize(acc, bias_f, x_q, w_scales, out_q, axis_shape, lo=-math.inf, hi=math.inf):
+def _requantize(
+    acc, bias_f, x_q, w_scales, out_q, axis_shape, lo=-math.inf, hi=math.inf, mode=FIXED_POINT
+):
     acc = acc + np.round(bias_f / (x_q["scale"] * w_scales)).astype(np.int64).reshape(axis_shape)
-    m, shift = fixed_point(x_q["scale"] * w_scales / out_q["scale"])
-    y = requantize_reference(acc, m.reshape(axis_shape), shift.reshape(axis_shape))
+    multiplier = x_q["scale"] * w_scales / out_q["scale"]
+    if mode == FLOAT:
+        y = float_requantize_reference(acc, multiplier.reshape(axis_shape))
+    else:
+        m, shift = fixed_point(multiplier)
+        y = requantize_reference(acc, m.reshape(axis_shape), shift.reshape(axis_shape))
     y = y + out_q["zero_point"]
     z, s = out_q["zero_point"], out_q["scale"]
     qlo = max(0, z + math.floor(lo / s + 0.5)) if math.isfinite(lo) else 0
@@ -135,15 +150,17 @@ CONVS = {
 }
 
 
-def _integer(weight_bits: int):
-    """:data:`INTEGER` with ``weight_bits``-bit weights (7: ``vpmaddubsw`` on AVX2)."""
-    policy = dataclasses.replace(INTEGER.policy, weight_bits=weight_bits)
+def _integer(weight_bits: int, requantize: str):
+    """:data:`INTEGER` with ``weight_bits``-bit weights (7: ``vpmaddubsw`` on AVX2) and the
+    ``requantize`` way."""
+    policy = dataclasses.replace(INTEGER.policy, weight_bits=weight_bits, requantize=requantize)
     return dataclasses.replace(INTEGER, policy=policy)
 
 
+@pytest.mark.parametrize("requantize", REQUANTIZE)
 @pytest.mark.parametrize("weight_bits", [8, 7])
 @pytest.mark.parametrize("case", sorted(CONVS))
-def test_conv_region_equals_integer_formula(case, weight_bits, tmp_path):
+def test_conv_region_equals_integer_formula(case, weight_bits, requantize, tmp_path):
     c_in, c_out, k, stride, pad, dilation, groups, act = CONVS[case]
     rng = np.random.default_rng(len(case))
     w = (rng.normal(size=(c_out, c_in // groups, k, k)) / k).astype(np.float32)
@@ -179,14 +196,14 @@ def test_conv_region_equals_integer_formula(case, weight_bits, tmp_path):
     x = rng.normal(size=(1, c_in, size, size)).astype(np.float32)
     x_q = _asym(-2.5, 3.0, "input:x")  # z_x ≈ 116: padding must pad with it
     out_q = _asym(-4.0, 5.0, out_id)
-    plugin = _integer(weight_bits)
+    plugin = _integer(weight_bits, requantize)
     qm, got = _run_region(path, _doc(path, [x_q, out_q]), x, plugin)
 
     wq, w_scales = quantize_weights(w, 0, plugin.policy)
     weight_max = 2 ** (weight_bits - 1) - 1
     assert np.array_equal(np.abs(wq).max(axis=(1, 2, 3)), np.full(c_out, weight_max))
     acc = _conv_reference(_quantize(x, x_q), x_q["zero_point"], wq, stride, pad, dilation, groups)
-    want = _requantize(acc, b, x_q, w_scales, out_q, (1, c_out, 1, 1), lo, hi)
+    want = _requantize(acc, b, x_q, w_scales, out_q, (1, c_out, 1, 1), lo, hi, requantize)
     assert np.array_equal(got, want)
     (region,) = qm.regions
     assert region.input.profile_id == "input:x" and region.output_id == out_id
@@ -214,20 +231,46 @@ def test_region_feeding_fp32_leaves_as_scaled_accumulator(tmp_path):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("requantize", REQUANTIZE)
 @pytest.mark.parametrize("weight_bits", [8, 7])
-def test_dense_region_equals_integer_formula(weight_bits, tmp_path):
+def test_dense_region_equals_integer_formula(weight_bits, requantize, tmp_path):
     rng = np.random.default_rng(3)
     w, b = rng.normal(size=(12, 32)).astype(np.float32), rng.normal(size=12).astype(np.float32)
     node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
     path = save(single_io_model([node], {"w": w, "b": b}, (4, 32), (4, 12)), tmp_path)
     x = rng.normal(size=(4, 32)).astype(np.float32)
     x_q, out_q = _asym(-3.0, 3.0, "input:x"), _asym(-8.0, 8.0, "fc#2")
-    plugin = _integer(weight_bits)
+    plugin = _integer(weight_bits, requantize)
     qm, got = _run_region(path, _doc(path, [x_q, out_q]), x, plugin)
     wq, w_scales = quantize_weights(w.T, 1, plugin.policy)
     assert np.abs(wq).max() == 2 ** (weight_bits - 1) - 1
     acc = (_quantize(x, x_q) - x_q["zero_point"]) @ wq.astype(np.int64)
-    assert np.array_equal(got, _requantize(acc, b, x_q, w_scales, out_q, (12,)))
+    want = _requantize(acc, b, x_q, w_scales, out_q, (12,), mode=requantize)
+    assert np.array_equal(got, want)
+    script = qm.lower()[0].script()
+    assert ("R.round(" in script) == (requantize == FLOAT)
+    assert ("R.right_shift(" in script) == (requantize == FIXED_POINT)
+
+
+def test_float_requantization_keeps_fixed_point_where_the_scaled_accumulator_could_overflow(
+    tmp_path,
+):
+    """A tiny output scale (multiplier ~10^4): ``Σ|w| · 255 · m`` passes 2^30, where float32
+    would no longer convert back exactly, so the region requantizes in fixed point."""
+    rng = np.random.default_rng(5)
+    w, b = rng.normal(size=(12, 32)).astype(np.float32), rng.normal(size=12).astype(np.float32)
+    node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
+    path = save(single_io_model([node], {"w": w, "b": b}, (4, 32), (4, 12)), tmp_path)
+    x = rng.normal(size=(4, 32)).astype(np.float32)
+    x_q, out_q = _asym(-3.0, 3.0, "input:x"), _asym(-1e-6, 1e-6, "fc#2")
+    plugin = _integer(8, FLOAT)
+    qm, got = _run_region(path, _doc(path, [x_q, out_q]), x, plugin)
+    script = qm.lower()[0].script()
+    assert "R.right_shift(" in script and "R.round(" not in script
+    wq, w_scales = quantize_weights(w.T, 1, plugin.policy)
+    acc = (_quantize(x, x_q) - x_q["zero_point"]) @ wq.astype(np.int64)
+    want = _requantize(acc, b, x_q, w_scales, out_q, (12,))
+    assert np.array_equal(got, want) and {0, 255} <= set(np.unique(got).tolist())
     assert qm.regions[0].float_region.kind == "matmul"
 
 

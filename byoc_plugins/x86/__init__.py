@@ -5,7 +5,8 @@ The integer cores are inlined into the program and built by the fast CPU path
 ``vpdpbusd`` (AVX-512 VNNI) where the CPU has it; on AVX2 ``vpmaddubsw`` where every weight of
 the layer is within ±64 (``get_plugin("x86", weight_bits=7)``, ``--weight-bits 7``), else
 ``vpmaddwd``. Activations are asymmetric uint8 (the unsigned operand of ``vpdpbusd`` and
-``vpmaddubsw``), weights symmetric int8 per channel.
+``vpmaddubsw``), weights symmetric int8 per channel, requantization in float32 (the policy's
+``float``: AVX2 has no 64-bit multiply for fixed point).
 Operators outside the pattern table stay FP32 between quantize / dequantize.
 """
 
@@ -15,7 +16,7 @@ from profiler.schedules import build, host_target
 
 from ..patterns import pattern_table
 from ..plugin import Plugin
-from ..policy import QuantPolicy
+from ..policy import FLOAT, QuantPolicy
 
 
 def _compile(mod):
@@ -25,7 +26,7 @@ def _compile(mod):
 PLUGIN = Plugin(
     name="x86",
     description="INT8 conv2d / dense for the host CPU, LLVM (AVX-512 VNNI or AVX2)",
-    policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8"),
+    policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8", requantize=FLOAT),
     patterns=lambda: pattern_table("rangeprof_x86"),
     target=host_target,
     compile=_compile,

@@ -16,11 +16,12 @@ clamp) that FuseOps puts in the same kernel. After ``ConvertLayout`` to NHWC/OHW
   instruction reads ``lanes × depth`` contiguous weights.
 * **Depthwise conv** (``groups == C``): no dot product spans the channels. On x86 the taps
   go in pairs through ``vpmaddwd``: a stage packs ``pad[x]`` and ``pad[x + d]`` (int16 each)
-  into one int32 word per channel (at the columns the conv reads: every other one at stride 2), weights are packed to int16 ``[KH, ⌈KW/2⌉, 2C]``, and one
-  instruction does two taps of 8 channels (a 3×3 kernel: 6 instructions instead of 9
-  multiplies; with its requantization the int8 layer then runs as fast as the FP32 kernel
-  alone). Elsewhere (NEON) weights are widened to int16 ``[KH, KW, C]`` and the kernel
-  multiplies-adds a vector of channels per tap in int32 (LLVM emits ``smlal``).
+  into one int32 word per channel (at the columns the conv reads: every other one at stride
+  2), weights are packed to int16 ``[KH, ⌈KW/2⌉, 2C]``, and one instruction does two taps of
+  8 channels (a 3×3 kernel: 6 instructions instead of 9 multiplies; with its requantization
+  the int8 layer then runs as fast as the FP32 kernel alone). Elsewhere (NEON) weights are
+  widened to int16 ``[KH, KW, C]`` and the kernel multiplies-adds a vector of channels per tap
+  in int32 (LLVM emits ``smlal``).
 * Anything else (grouped convs, non-constant weights, output channels no instruction's lanes
   divide, targets without one) keeps TVM's legalization and the generic schedule.
 
