@@ -243,3 +243,41 @@ def test_elementwise_vectors_stay_within_rows_of_24_channels():
     result = tvm.runtime.tensor(np.zeros(data.shape, np.float32))
     f(tvm.runtime.tensor(data), result)
     np.testing.assert_array_equal(result.numpy(), data * np.float32(3.0))
+
+
+def test_per_tensor_quantize_leaves_its_layout_round_trip():
+    """``ConvertLayout`` wraps quantize in NHWC → NCHW → NHWC transposes; a per-tensor one
+    loses them (so it can fuse into its producer), a per-channel one (axis 1 of NCHW) keeps
+    them, and the program computes the same either way."""
+    from profiler.schedules.prepare import untranspose_quantize
+
+    shape = (1, 5, 6, 4)  # NHWC
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            nchw = bb.emit(relax.op.permute_dims(x, [0, 3, 1, 2]))
+            scale, zero = relax.const(0.05, "float32"), relax.const(7, "int32")
+            q = bb.emit(relax.op.quantize(nchw, scale, zero, axis=-1, out_dtype="uint8"))
+            tensor = bb.emit(relax.op.permute_dims(q, [0, 2, 3, 1]))
+            scales = relax.const(np.array([0.05, 0.1, 0.02, 0.2], np.float32))
+            zeros = relax.const(np.array([0, 3, 5, 9], np.int32))
+            c = bb.emit(relax.op.quantize(nchw, scales, zeros, axis=1, out_dtype="uint8"))
+            channel = bb.emit(relax.op.permute_dims(c, [0, 2, 3, 1]))
+            out = bb.emit_output(relax.Tuple([tensor, channel]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    rewritten = untranspose_quantize(mod)
+    calls = [b.value for blk in rewritten["main"].body.blocks for b in blk.bindings]
+    ops = [str(c.op.name) for c in calls if isinstance(c, relax.Call)]
+    assert ops.count("relax.quantize") == 2 and ops.count("relax.permute_dims") == 2
+    quantizes = [c for c in calls if isinstance(c, relax.Call) and c.op.name == "relax.quantize"]
+    assert [q.args[0].same_as(x) for q in quantizes] == [True, False]
+    data = np.random.default_rng(6).normal(size=shape).astype(np.float32)
+    results = []
+    for m in (mod, rewritten):
+        vm = relax.VirtualMachine(tvm.compile(m, target="llvm"), tvm.cpu())
+        out = vm["main"](tvm.runtime.tensor(data))
+        results.append([out[i].numpy() for i in range(2)])
+    for want, got in zip(*results, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -9,12 +9,17 @@
   ``minimum`` PrimFunc with a scalar bound; ``ConvertLayout`` cannot see through ``call_tir`` and
   would transpose back to NCHW around every ReLU6. Such calls become ``R.maximum`` /
   ``R.minimum`` again.
+* **Per-tensor quantize / dequantize out of their transposes** (:data:`untranspose_quantize`,
+  after ``ConvertLayout``, which has no layout rule for them and wraps each in a round trip to
+  NCHW): elementwise again, FuseOps can fuse them into the kernel that produces their input
+  (ResNet-18 INT8 1.5 % faster).
 """
 
 from __future__ import annotations
 
 import tvm
 from tvm import relax, s_tir, tirx
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from profiler.passes.fold_constant import ConstantFolder, constant_value
 
@@ -101,4 +106,39 @@ def prepare(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
             mod[gvar] = _Prepare(mod).visit_expr(func)
+    return relax.transform.DeadCodeElimination()(mod)
+
+
+def _inverse(first: relax.Call, second: relax.Call) -> bool:
+    """Whether permuting by ``first`` then by ``second`` gives the original axes."""
+    p, q = ([int(a) for a in c.attrs.axes] for c in (first, second))
+    return [p[i] for i in q] == list(range(len(p)))
+
+
+def _untranspose(func: relax.Function) -> relax.Function:
+    data = wildcard()
+    inner = is_op("relax.permute_dims")(data)
+    quantize = is_op("relax.quantize")(inner, wildcard(), wildcard()) | is_op("relax.dequantize")(
+        inner, wildcard(), wildcard()
+    )
+    outer = is_op("relax.permute_dims")(quantize)
+
+    def rewrite(expr, matches):
+        call = matches[quantize]
+        if not _inverse(matches[inner], expr) or any(a.ty.ndim != 0 for a in call.args[1:]):
+            return expr
+        args = [matches[data], *call.args[1:]]
+        return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
+
+    return rewrite_call(outer, rewrite, func)
+
+
+@tvm.transform.module_pass(opt_level=0, name="UntransposeQuantize")
+def untranspose_quantize(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """``permute_dims(q(permute_dims(x, p)), p⁻¹)`` → ``q(x)`` for a per-tensor (scalar scale
+    and zero point) ``quantize`` / ``dequantize`` ``q``."""
+    mod = mod.clone()
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gvar] = _untranspose(func)
     return relax.transform.DeadCodeElimination()(mod)
