@@ -1,10 +1,9 @@
 """FP32 latency of our CPU build (profiler.schedules.build) against onnxruntime, same process.
 
-For each shared model: cold build time, median latency over ``--runs`` runs after warm-up (of
-block medians), the
-same for onnxruntime's CPUExecutionProvider with default options (the two timed in
-alternating blocks, :func:`interleaved_blocks_ms`), and the ratio (within each round of blocks,
-the median over rounds: :func:`round_ratio`). Run::
+For each shared model: cold build time, median latency (of block medians) over ``--runs`` runs
+after warm-up, the same for onnxruntime's CPUExecutionProvider with default options (the two
+timed in alternating blocks, :func:`interleaved_blocks_ms`), and the ratio (within each round
+of blocks, the median over rounds: :func:`round_ratio`). Run::
 
     python benchmarks/fp32_latency.py [--runs 50] [--json out.json]
 """

@@ -72,24 +72,27 @@ class _Reader(ortq.CalibrationDataReader):
         return next(self.batches, None)
 
 
+def _int8_build(path: Path, profile: dict, method: str, weight_bits: int):
+    """The x86 INT8 model with ``weight_bits``-bit weights, its VM and its compile seconds."""
+    x86 = get_plugin("x86", weight_bits=weight_bits)
+    qm = quantize_model(path, qparams_from_profile(profile, x86, method, 99.99), x86)
+    start = time.perf_counter()
+    vm = relax.VirtualMachine(x86.compile(qm.lower()[0]), tvm.cpu())
+    return qm, vm, time.perf_counter() - start
+
+
 def measure(name: str, samples: int, runs: int, method: str) -> dict:
     path = MODELS / f"{name}.onnx"
     loaded = load_model(path)
     data = open_data("random", model_inputs(loaded.facts), samples=samples + 1)
     batches = list(data.batches())
     calibration, probe = batches[:samples], batches[samples]
-    x86 = get_plugin("x86")
 
     start = time.perf_counter()
     profile = profile_model(path, "random", options=ProfileOptions(samples=samples))
     profile_s = time.perf_counter() - start
-    qm = quantize_model(path, qparams_from_profile(profile, x86, method, 99.99), x86)
-    start = time.perf_counter()
-    int8_vm = relax.VirtualMachine(x86.compile(qm.lower()[0]), tvm.cpu())
-    int8_build_s = time.perf_counter() - start
-    x86_w7 = get_plugin("x86", weight_bits=7)
-    qm_w7 = quantize_model(path, qparams_from_profile(profile, x86_w7, method, 99.99), x86_w7)
-    int8_w7_vm = relax.VirtualMachine(x86_w7.compile(qm_w7.lower()[0]), tvm.cpu())
+    qm, int8_vm, int8_build_s = _int8_build(path, profile, method, weight_bits=8)
+    _, int8_w7_vm, _ = _int8_build(path, profile, method, weight_bits=7)
     fp32_vm = relax.VirtualMachine(build(import_onnx(loaded).mod), tvm.cpu())
 
     fp32_session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

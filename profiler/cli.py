@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -373,8 +374,8 @@ def build(
         qm = quantize_model(model, doc, plugin, shapes, fp32_fallback)
         kept: frozenset[str] = frozenset()
         if accuracy_budget is not None:
-            # Integer results are the same on every target: measure where the code runs.
-            host = plugin if plugin.runs_here else get_plugin("x86", weight_bits)
+            # Targets with the same policy compute the same integers: measure where code runs.
+            host = plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
             measured = (
                 qm if host is plugin else quantize_model(model, doc, host, shapes, fp32_fallback)
             )
