@@ -6,11 +6,13 @@ operator, and the layer as the quantization layer writes it (quantize, pad with 
 conv2d / matmul to int32, bias, int64 fixed-point requantization, zero point, clamp, uint8,
 dequantize). Inputs are integer multiples of a power-of-two scale and the output scale is a
 power of two, so quantize and dequantize are exact and the float output is compared exactly
-too. The AVX-512 VNNI and aarch64 ``sdot`` kernels cannot run here: they are compiled and
-their assembly checked.
+too. Kernels for instruction sets this machine lacks (AVX-512 VNNI on most AMD hosts, aarch64
+``sdot`` everywhere) are compiled and their assembly checked; those it has run too.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -263,18 +265,52 @@ def test_dot_instruction_in_assembly(case, dtype, target, instruction):
     assert instruction in _assembly(mod, target)
 
 
-def test_host_avx2_uses_vpmaddwd():
+def test_host_uses_its_widest_dot_instruction():
     target = host_target()
-    if not tvm.target.codegen.target_has_features("avx2", target):
+    has = tvm.target.codegen.target_has_features
+    if not has("avx2", target):
         pytest.skip("no AVX2 on this machine")
-    if tvm.target.codegen.target_has_features("avx512vnni", target):
-        pytest.skip("VNNI machine: vpdpbusd instead")
-    assert "vpmaddwd" in _assembly(_conv_case("3x3", "uint8", quantized=True)[0], target)
+    expected = "vpdpbusd" if has("avx512vnni", target) else "vpmaddwd"
+    assert expected in _assembly(_conv_case("3x3", "uint8", quantized=True)[0], target)
+
+
+# ------------------------------------------------------------ depthwise: pairs of int16 taps
+
+AVX512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})  # AVX-512 BW, no VNNI
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+# target, the feature the host needs to run it, the instruction pairing taps, its registers
+# for 32 channels (16 lanes divide them) and for 24 (8 lanes).
+PAIR_TARGETS = {
+    "avx512_vnni": (VNNI, "avx512vnni", "vpdpwssd", "zmm", "ymm"),
+    "avx512bw": (AVX512, "avx512bw", "vpmaddwd", "zmm", "ymm"),
+    "avx2": (AVX2, "avx2", "vpmaddwd", "ymm", "ymm"),
+}
+DEPTHWISE_CONVS = [name for name in CONVS if name.startswith("depthwise")]
+
+
+@pytest.mark.parametrize("isa", sorted(PAIR_TARGETS))
+def test_depthwise_tap_pairs_in_assembly(isa):
+    """Two taps per instruction, in the widest registers whose lanes divide the channels."""
+    target, _, instruction, wide, narrow = PAIR_TARGETS[isa]
+    for name, register in (("depthwise3x3", wide), ("depthwise3x3_stride2", narrow)):
+        asm = _assembly(_conv_case(name, "int8", quantized=True)[0], target)
+        assert re.search(rf"{instruction}\s+%{register}", asm), (name, instruction, register)
+
+
+@pytest.mark.parametrize("isa", sorted(PAIR_TARGETS))
+@pytest.mark.parametrize("name", DEPTHWISE_CONVS)
+def test_depthwise_exact_on_each_pair_instruction(name, isa):
+    target, feature, *_ = PAIR_TARGETS[isa]
+    if not tvm.target.codegen.target_has_features(feature, host_target()):
+        pytest.skip(f"no {feature} on this machine")
+    mod, x, expected = _conv_case(name, "int8", quantized=False)
+    np.testing.assert_array_equal(_run(mod, x, target), expected)
+    mod, x, expected = _conv_case(name, "int8", quantized=True)
+    np.testing.assert_array_equal(_run(mod, x, target), expected)
 
 
 # ------------------------------------------------------------- AVX2: 7-bit weights, vpmaddubsw
 
-AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
 SEVEN_BIT_CONVS = ["3x3", "3x3_stride2_dilation2_odd_channels", "7x7_rgb_stride2", "1x1"]
 
 

@@ -143,7 +143,19 @@ _PMADDWD = (
     DotInstruction("llvm.x86.sse2.pmadd.wd", 4, 2, "int16", "int16", False, 16),
 )
 _SDOT = (DotInstruction("llvm.aarch64.neon.sdot.v4i32.v16i8", 4, 4, "int8", "int8", True, 32),)
-DOT_INSTRUCTIONS = {d.intrinsic: d for d in (*_VNNI, *_PMADDUBSW, *_PMADDWD, *_SDOT)}
+# Pairs of int16 products per int32 lane, for depthwise taps: AVX-512 VNNI's vpdpwssd adds
+# them into the accumulator (one instruction per two taps), AVX-512 BW's vpmaddwd does 16 lanes.
+_PAIRS_VNNI = (
+    DotInstruction("llvm.x86.avx512.vpdpwssd.512", 16, 2, "int16", "int16", True, 32),
+    DotInstruction("llvm.x86.avx512.vpdpwssd.256", 8, 2, "int16", "int16", True, 32),
+)
+_PAIRS_AVX512 = (
+    DotInstruction("llvm.x86.avx512.pmaddw.d.512", 16, 2, "int16", "int16", False, 32),
+    _PMADDWD[0],
+)
+DOT_INSTRUCTIONS = {
+    d.intrinsic: d for d in (*_VNNI, *_PMADDUBSW, *_PMADDWD, *_SDOT, *_PAIRS_VNNI, *_PAIRS_AVX512)
+}
 
 
 def dot_instructions(target: tvm.target.Target | None = None) -> tuple[DotInstruction, ...]:
@@ -178,14 +190,24 @@ def dot_instruction(
     )
 
 
-def pair_instruction(channels: int, target: tvm.target.Target | None = None):
-    """``vpmaddwd`` (two int16 products per int32 lane) when ``target`` is x86 with AVX2 and
-    its lanes divide ``channels``, else None: depthwise convs pair their taps with it."""
+def pair_instruction(
+    channels: int, target: tvm.target.Target | None = None
+) -> DotInstruction | None:
+    """The widest instruction of ``target`` (x86) that multiplies-adds two int16 products per
+    int32 lane and whose lanes divide ``channels``, else None: depthwise convs pair their taps
+    with it (``vpdpwssd`` on AVX-512 VNNI, ``vpmaddwd`` on AVX-512 BW or AVX2)."""
     target = target or tvm.target.Target.current()
     if target is None or str(target.kind) != "llvm":
         return None
     if str(target.attrs.get("mtriple", "")).startswith(("aarch64", "arm64")):
         return None
-    pair = _PMADDWD[0]
-    has_avx2 = tvm.target.codegen.target_has_features("avx2", target)
-    return pair if has_avx2 and channels % pair.lanes == 0 else None
+    has = tvm.target.codegen.target_has_features
+    if has("avx512vnni", target):
+        pairs = _PAIRS_VNNI
+    elif has("avx512bw", target):
+        pairs = _PAIRS_AVX512
+    elif has("avx2", target):
+        pairs = _PMADDWD[:1]
+    else:
+        return None
+    return next((p for p in pairs if channels % p.lanes == 0), None)
