@@ -20,10 +20,10 @@ clamp) that FuseOps puts in the same kernel. After ``ConvertLayout`` to NHWC/OHW
   per channel (at the columns the conv reads: every other one at stride 2), weights are packed
   to int16 ``[KH, ⌈KW/2⌉, 2C]``, and one instruction does two taps of 16 (AVX-512) or 8
   channels (a 3×3 kernel: 6 instructions instead of 9 multiplies). On Zen 4, 16-lane
-  ``vpdpwssd`` made MobileNetV2's 144-channel layer 1.7× faster than 8-lane ``vpmaddwd``
-  + ``vpaddd`` (1.4× the FP32 kernel, with its requantization). Elsewhere (NEON) weights are
-  widened to int16 ``[KH, KW, C]`` and the kernel multiplies-adds a vector of channels per tap
-  in int32 (LLVM emits ``smlal``).
+  ``vpdpwssd`` made the int32 core of MobileNetV2's 144-channel layer 1.7× faster than
+  8-lane ``vpmaddwd`` + ``vpaddd`` (1.4× the FP32 kernel, with its requantization).
+  Elsewhere (NEON) weights are widened to int16 ``[KH, KW, C]`` and the kernel
+  multiplies-adds a vector of channels per tap in int32 (LLVM emits ``smlal``).
 * Anything else (grouped convs, non-constant weights, output channels no instruction's lanes
   divide, targets without one) keeps TVM's legalization and the generic schedule.
 
