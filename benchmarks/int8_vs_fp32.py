@@ -53,7 +53,7 @@ from profiler.data import model_inputs, open_data  # noqa: E402
 from profiler.importer import import_onnx  # noqa: E402
 from profiler.onnx_load import load_model  # noqa: E402
 from profiler.profiling import ProfileOptions, profile_model  # noqa: E402
-from profiler.schedules import build  # noqa: E402
+from profiler.schedules import build, host_target  # noqa: E402
 
 
 def _sqnr(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
@@ -184,7 +184,9 @@ def main() -> None:
             flush=True,
         )
     if args.json:
-        args.json.write_text(json.dumps({"machine": os.uname().nodename, "rows": rows}, indent=1))
+        # The CPU decides which instructions the kernels use: record it with the figures.
+        host = {"machine": os.uname().nodename, "target": json.loads(str(host_target()))}
+        args.json.write_text(json.dumps({**host, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
