@@ -354,3 +354,61 @@ def test_avx2_instruction_follows_the_weight_range(case):
     seven_bit, wider = assembly(64), assembly(65)
     assert "vpmaddubsw" in seven_bit
     assert "vpmaddubsw" not in wider and "vpmaddwd" in wider
+
+
+# ------------------------------------------------------- RGB stems: channels padded in the graph
+
+
+def _nhwc_conv(channels: int, padding: int) -> tuple[tvm.IRModule, np.ndarray, np.ndarray]:
+    """An NHWC uint8 × int8 7×7 stride-2 conv, its input and numpy's int32 result."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 256, (1, 15, 15, channels)).astype("uint8")
+    w = rng.integers(-128, 128, (16, 7, 7, channels)).astype("int8")
+    data = relax.Var("x", relax.TensorType(x.shape, "uint8"))
+
+    def body(bb, data):
+        conv = relax.op.nn.conv2d(
+            data,
+            _const(w, "int8"),
+            strides=2,
+            padding=padding,
+            data_layout="NHWC",
+            kernel_layout="OHWI",
+            out_dtype="int32",
+        )
+        return bb.emit(conv)
+
+    padded = np.pad(x, [(0, 0), (padding, padding), (padding, padding), (0, 0)])
+    nchw = _conv_reference(padded.transpose(0, 3, 1, 2), w.transpose(0, 3, 1, 2), 2, 1, 1)
+    return _module([data], body), x, nchw.transpose(0, 2, 3, 1).astype(np.int32)
+
+
+def test_unpadded_rgb_conv_takes_a_fourth_zero_channel():
+    """A 3-channel conv without padding (the image padded before it, as the quantized graph
+    does) convolves a graph-padded 4-channel input with a zero fourth weight channel: no stage
+    in its kernel. With padding of its own (its stage pads channels too) or 4 channels, the
+    graph stays as it was. Results are exact either way."""
+    from profiler.schedules.prepare import pad_int8_channels
+
+    def calls(mod, op):
+        values = [b.value for blk in mod["main"].body.blocks for b in blk.bindings]
+        return [c for c in values if isinstance(c, relax.Call) and c.op.name == op]
+
+    def convs(mod):
+        return calls(mod, "relax.nn.conv2d")
+
+    mod, x, expected = _nhwc_conv(3, padding=0)
+    rewritten = pad_int8_channels(mod)
+    (conv,), (pad,) = convs(rewritten), calls(rewritten, "relax.nn.pad")
+    data, weight = conv.args
+    assert [int(d) for d in data.ty.shape] == [1, 15, 15, 4] and pad.args[0].same_as(
+        mod["main"].params[0]
+    )
+    w = weight.value.numpy()
+    assert w.shape == (16, 7, 7, 4) and not w[..., 3].any()
+    np.testing.assert_array_equal(_run(mod, x), expected)
+    for channels, padding in ((3, 3), (4, 0)):
+        mod, x, expected = _nhwc_conv(channels, padding)
+        (conv,) = convs(pad_int8_channels(mod))
+        assert int(conv.args[0].ty.shape[3]) == channels
+        np.testing.assert_array_equal(_run(mod, x), expected)

@@ -10,7 +10,8 @@ Order of passes, and why:
 3. ``ConvertLayout`` to NHWC/OHWI: channels innermost, so every conv, pooling and elementwise
    kernel vectorises over channels; ``prepare`` folds the transposed weights, and
    :data:`~profiler.schedules.prepare.untranspose_quantize` takes per-tensor quantizes out of
-   the NCHW round trips ``ConvertLayout`` wraps them in.
+   the NCHW round trips ``ConvertLayout`` wraps them in; :data:`~.prepare.pad_int8_channels`
+   pads the input channels of unpadded int8 convs (RGB images) to 4.
 4. ``LegalizeOps`` with our conv2d and matmul legalizations (weights repacked in numpy, at build
    time), chosen by dtype: float32 (:mod:`.conv2d`, :mod:`.dense`) or 8-bit activations × int8
    constant weights → int32 (:mod:`.conv2d_int8`, :mod:`.dense_int8`), and the int64
@@ -42,7 +43,7 @@ from .dense_int8 import legalize_matmul_int8, schedule_dense_int8
 from .dot import lower_dot_blocks
 from .elementwise import schedule_generic
 from .pooling import schedule_pooling
-from .prepare import prepare, untranspose_quantize
+from .prepare import pad_int8_channels, prepare, untranspose_quantize
 from .requantize import fold_bias, legalize_multiply, legalize_right_shift
 
 _LOG = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ def relax_pipeline(
         relax.transform.ConvertLayout(layouts),
         prepare,
         untranspose_quantize,
+        pad_int8_channels,
         *layout_passes,
         fold_bias,
         relax.transform.LegalizeOps(customize_legalize_map=legalize),
