@@ -231,14 +231,20 @@ def test_region_feeding_fp32_leaves_as_scaled_accumulator(tmp_path):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("requantize", REQUANTIZE)
-@pytest.mark.parametrize("weight_bits", [8, 7])
-def test_dense_region_equals_integer_formula(weight_bits, requantize, tmp_path):
-    rng = np.random.default_rng(3)
+def _gemm_case(seed: int, tmp_path):
+    """A one-Gemm model ``fc`` (32 → 12, bias) saved under ``tmp_path``, its weight, bias and an
+    input of 4 rows."""
+    rng = np.random.default_rng(seed)
     w, b = rng.normal(size=(12, 32)).astype(np.float32), rng.normal(size=12).astype(np.float32)
     node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
     path = save(single_io_model([node], {"w": w, "b": b}, (4, 32), (4, 12)), tmp_path)
-    x = rng.normal(size=(4, 32)).astype(np.float32)
+    return path, w, b, rng.normal(size=(4, 32)).astype(np.float32)
+
+
+@pytest.mark.parametrize("requantize", REQUANTIZE)
+@pytest.mark.parametrize("weight_bits", [8, 7])
+def test_dense_region_equals_integer_formula(weight_bits, requantize, tmp_path):
+    path, w, b, x = _gemm_case(3, tmp_path)
     x_q, out_q = _asym(-3.0, 3.0, "input:x"), _asym(-8.0, 8.0, "fc#2")
     plugin = _integer(weight_bits, requantize)
     qm, got = _run_region(path, _doc(path, [x_q, out_q]), x, plugin)
@@ -257,11 +263,7 @@ def test_float_requantization_keeps_fixed_point_where_the_scaled_accumulator_cou
 ):
     """A tiny output scale (multiplier ~10^4): ``Σ|w| · 255 · m`` passes 2^30, where float32
     would no longer convert back exactly, so the region requantizes in fixed point."""
-    rng = np.random.default_rng(5)
-    w, b = rng.normal(size=(12, 32)).astype(np.float32), rng.normal(size=12).astype(np.float32)
-    node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc", transB=1)
-    path = save(single_io_model([node], {"w": w, "b": b}, (4, 32), (4, 12)), tmp_path)
-    x = rng.normal(size=(4, 32)).astype(np.float32)
+    path, w, b, x = _gemm_case(5, tmp_path)
     x_q, out_q = _asym(-3.0, 3.0, "input:x"), _asym(-1e-6, 1e-6, "fc#2")
     plugin = _integer(8, FLOAT)
     qm, got = _run_region(path, _doc(path, [x_q, out_q]), x, plugin)

@@ -28,6 +28,7 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
 from profiler.passes.fold_constant import ConstantFolder, constant_value
+from profiler.spans import ids_of, with_ids
 
 from .conv2d_int8 import is_int8
 
@@ -170,8 +171,8 @@ def _pad_channels(func: relax.Function) -> relax.Function:
         # A conv with padding has a stage of its own (the padding), which pads channels too.
         if extra == 0 or any(int(p) for p in attrs.padding):
             return expr
-        x = relax.op.nn.pad(matches[data], [0, 0, 0, 0, 0, 0, 0, extra])
-        x = relax.Call(x.op, x.args, x.attrs, x.ty_args, call.span)
+        # The pad derives from the conv: it carries the conv's profileIDs.
+        x = with_ids(relax.op.nn.pad(matches[data], [0, 0, 0, 0, 0, 0, 0, extra]), ids_of(call))
         w = matches[weight].value.numpy()
         w = relax.const(np.pad(w, [(0, 0)] * 3 + [(0, extra)]), "int8")
         return relax.Call(call.op, [x, w], attrs, call.ty_args, call.span)
