@@ -93,13 +93,10 @@ class _Namer:
         }
         self.values: dict[relax.Var, frozenset[str]] = {}
         main = mod["main"]
+        inputs = {layer.profile_id for layer in layers if layer.kind == "input"}
         for param in main.params:
-            name = str(param.name)
-            for layer in layers:
-                if layer.kind == "input" and layer.profile_id.removeprefix(INPUT_PREFIX).replace(
-                    ".", "_"
-                ) == name.replace(".", "_"):
-                    self.values[param] = frozenset([layer.profile_id])
+            if INPUT_PREFIX + str(param.name) in inputs:
+                self.values[param] = frozenset([INPUT_PREFIX + str(param.name)])
         for block in main.body.blocks:
             for binding in block.bindings:
                 value = binding.value

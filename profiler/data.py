@@ -17,6 +17,14 @@ Sources (the ``--data`` value)
         Seeded standard-normal data for float inputs, uniform integers in ``[0, 100)`` for integer
         inputs, 0/1 for bool inputs; 8 samples unless told otherwise.
 
+Per-sample and constant inputs
+    An input is per-sample by default: its array holds samples along axis 0, batched to the
+    model's batch dim. A *constant* input (``constant`` of :func:`model_inputs`; the CLI's
+    ``--constant-input NAME``) is fed whole, the same array in every run: its array has the
+    input's full shape. Scalar inputs are always constant (they have no sample axis), and so are
+    state tensors, masks or lengths a model takes once per run. The sample count comes from the
+    per-sample inputs; when every input is constant the data is one run.
+
 Choices
     * Pickles are never loaded: arrays of Python objects are rejected.
     * Data casts to the input's dtype only within its kind or up (float64 -> float32 and
@@ -38,7 +46,7 @@ from __future__ import annotations
 import math
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -70,18 +78,37 @@ class InputSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # numpy dtype name
+    constant: bool = False  # fed whole in every run (see the module docstring)
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
-        return self.shape[1:]
+        return self.shape if self.constant else self.shape[1:]
+
+    def as_one_sample(self) -> InputSpec:
+        """A per-sample input whose one sample is this input's whole array."""
+        return InputSpec(self.name, (1, *self.shape), self.dtype)
 
 
-def model_inputs(model: ModelFacts) -> list[InputSpec]:
-    """The inputs of a loaded model, in the model's order."""
+def model_inputs(model: ModelFacts, constant: Iterable[str] = ()) -> list[InputSpec]:
+    """The inputs of a loaded model, in the model's order; ``constant`` names the inputs fed
+    whole in every run (scalars always are)."""
+    constant = set(constant)
+    unknown = sorted(constant - set(model.input_shapes))
+    if unknown:
+        raise CalibrationDataError(
+            f"no input named {', '.join(map(repr, unknown))} to feed as a constant; the model's "
+            f"inputs are {', '.join(map(repr, model.input_shapes))}"
+        )
     return [
-        InputSpec(name, shape, model.input_dtypes[name])
+        InputSpec(name, shape, model.input_dtypes[name], name in constant or not shape)
         for name, shape in model.input_shapes.items()
     ]
+
+
+def sample_batch(inputs: Sequence[InputSpec]) -> int:
+    """The model's batch: dim 0 of its first per-sample input (1 when every input is
+    constant)."""
+    return next((inp.shape[0] for inp in inputs if not inp.constant), 1)
 
 
 @dataclass(frozen=True)
@@ -204,12 +231,6 @@ def open_data(
         raise CalibrationDataError(f"sample count {samples} is not positive")
     if seed < 0:
         raise CalibrationDataError(f"seed {seed} is negative")
-    for inp in inputs:
-        if not inp.shape:
-            raise CalibrationDataError(
-                f"input {inp.name!r} is a scalar: it has no batch dim to fill"
-            )
-
     if spec == RANDOM:
         _no_preprocess(spec, preprocess)
         available, readers = samples or RANDOM_SAMPLES, _random(inputs, seed)
@@ -230,6 +251,8 @@ def open_data(
                 f"{path}: unknown data source; expected an .npz or .npy file, a folder of "
                 f"images or {RANDOM!r}"
             )
+    if all(inp.constant for inp in inputs):
+        available, batch_size = 1, 1  # one run of the constant arrays
     count = available if samples is None else min(samples, available)
     return CalibrationData(count, batch_size, readers)
 
@@ -269,10 +292,17 @@ def _check_dtype(what: str, dtype: np.dtype, inp: InputSpec) -> None:
         )
 
 
-def _check_array(what: str, shape: tuple[int, ...], dtype: np.dtype, inp: InputSpec) -> int:
-    """Check an array against an input; return its sample count."""
+def _check_array(what: str, shape: tuple[int, ...], dtype: np.dtype, inp: InputSpec) -> int | None:
+    """Check an array against an input; return its sample count (None for a constant)."""
     _check_dtype(what, dtype, inp)
     expected = inp.sample_shape
+    if inp.constant:
+        if shape != expected:
+            raise CalibrationDataError(
+                f"{what}: shape {list(shape)} does not fit constant input {inp.name!r}, which "
+                f"takes its whole shape {list(expected)}"
+            )
+        return None
     if not shape or shape[1:] != expected:
         hint = (
             "; it looks like a single sample: add a leading sample axis (array[None])"
@@ -332,11 +362,25 @@ def _npy(path: Path, inputs: Sequence[InputSpec]) -> tuple[int, dict[str, Reader
     except _READ_ERRORS as err:  # say, data shorter than the header promises
         raise CalibrationDataError(f"{path}: not a valid .npy array: {_line(err)}") from err
 
+    if inp.constant:
+        return 1, {inp.name: _constant_reader(lambda: _cast(array, inp))}
+
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         for start, stop in _spans(count, batch_size):
             yield _cast(array[start:stop], inp)
 
     return count, {inp.name: read}
+
+
+def _constant_reader(load: Callable[[], np.ndarray]) -> Reader:
+    """A constant input's reader: the array ``load`` reads, once, for every batch."""
+
+    def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
+        array = load()
+        for _ in _spans(count, batch_size):
+            yield array
+
+    return read
 
 
 def _npz(
@@ -364,10 +408,14 @@ def _npz(
                 "np.ascontiguousarray(array) instead"
             )
         readers[inp.name] = _npz_reader(path, members[key], what, dtype, inp)
-    if len(set(counts)) > 1:
-        sizes = ", ".join(f"{k!r}: {n}" for k, n in zip(chosen, counts, strict=True))
-        raise CalibrationDataError(f"{path}: the arrays hold different sample counts ({sizes})")
-    return counts[0], readers
+    sizes = {k: n for k, n in zip(chosen, counts, strict=True) if n is not None}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k!r}: {n}" for k, n in sizes.items())
+        raise CalibrationDataError(
+            f"{path}: the arrays hold different sample counts ({listed}); an input fed whole in "
+            "every run is a constant input (--constant-input NAME)"
+        )
+    return next(iter(sizes.values()), 1), readers
 
 
 def _choose_keys(
@@ -401,6 +449,10 @@ def _choose_keys(
 
 def _npz_reader(path: Path, member: str, what: str, dtype: np.dtype, inp: InputSpec) -> Reader:
     sample_bytes = dtype.itemsize * math.prod(inp.sample_shape)
+    if inp.constant:
+        # The whole array is the one sample of a per-sample view of it.
+        whole = _npz_reader(path, member, what, dtype, inp.as_one_sample())
+        return _constant_reader(lambda: next(whole(1, 1))[0])
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         with zipfile.ZipFile(path) as archive, archive.open(member) as f:
@@ -435,6 +487,10 @@ def _random(inputs: Sequence[InputSpec], seed: int) -> dict[str, Reader]:
 
 
 def _random_reader(inp: InputSpec, kind: str, seed: np.random.SeedSequence) -> Reader:
+    if inp.constant:
+        whole = _random_reader(inp.as_one_sample(), kind, seed)
+        return _constant_reader(lambda: next(whole(1, 1))[0])
+
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         rng = np.random.default_rng(seed)
         for start, stop in _spans(count, batch_size):
@@ -453,6 +509,8 @@ def _images(
 ) -> tuple[int, dict[str, Reader]]:
     inp = _only_input(str(folder), inputs)
     what = f"images in {folder}"
+    if inp.constant:
+        raise CalibrationDataError(f"{what}: images are samples; input {inp.name!r} is constant")
     files = sorted(
         (p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()),
         key=lambda p: p.name,

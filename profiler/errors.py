@@ -30,6 +30,10 @@ class InputShapeError(RangeprofError):
     """An input shape given by the user is malformed or does not fit the model."""
 
 
+class UnsupportedTypeError(RangeprofError):
+    """The model holds or computes tensors of an element type rangeprof cannot compute with."""
+
+
 class ConversionError(RangeprofError):
     """An ONNX node uses a feature (attribute, input form) its converter does not handle."""
 

@@ -67,7 +67,8 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
     """The stock graph importer with our converter registry and eager binding of node outputs."""
 
     def __init__(self, shape_dict, dtype_dict, graph: onnx.GraphProto):
-        super().__init__(shape_dict, dtype_dict)
+        # Parameters keep their ONNX names (``0``, ``x.1``): data is matched to inputs by them.
+        super().__init__(shape_dict, dtype_dict, sanitize=False)
         self._node_by_name = {n.name: n for n in graph.node}
         self._graph_outputs = {o.name for o in graph.output}
 
@@ -189,7 +190,7 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
                 op="input",
                 source_node=None,
                 source_op=None,
-                source_tensor=_input_name(param, loaded),
+                source_tensor=str(param.name),
                 shape=tensor_shape(param.ty),
                 dtype=tensor_dtype(param.ty),
             )
@@ -257,14 +258,6 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
             name = profile_id.removeprefix(WEIGHT_PREFIX)
             fates.setdefault(profile_id, _folded_fate(graph, [name], result_id))
     return ImportedModel(loaded=loaded, mod=tagged, layers=layers, fates=fates)
-
-
-def _input_name(param: relax.Var, loaded: LoadedModel) -> str:
-    # The importer sanitises input names ('.' -> '_'); map back to the ONNX name.
-    name = str(param.name)
-    if name in loaded.input_shapes:
-        return name
-    return next((n for n in loaded.input_shapes if n.replace(".", "_") == name), name)
 
 
 def _weight_ids(graph: onnx.GraphProto, tensors: dict) -> dict:

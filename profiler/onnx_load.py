@@ -45,7 +45,12 @@ import onnx
 import onnxsim
 from google.protobuf.message import DecodeError
 
-from profiler.errors import InputShapeError, InvalidModelError, UnsafeExternalDataError
+from profiler.errors import (
+    InputShapeError,
+    InvalidModelError,
+    UnsafeExternalDataError,
+    UnsupportedTypeError,
+)
 
 # onnx.helper writes its newest IR version (14 with onnx 1.23), which the onnxruntime inside
 # onnxsim may not read yet; folding runs at this version at most, which onnxruntime >= 1.20 reads.
@@ -167,6 +172,7 @@ def _load(
     except (onnx.checker.ValidationError, ValueError) as err:
         raise InvalidModelError(f"{source}: invalid ONNX model: {_line(err)}") from err
     opset = _default_opset(model, source)
+    _check_element_types(model, source)
     dtypes = {vi.name: _dtype(vi, source) for vi in inputs}
     _name_nodes(model.graph)
     folded, fates = _fold(model, source)
@@ -326,6 +332,46 @@ def _given_shape(
             f"{_shape_text(dims)}"
         )
     return shape
+
+
+# Element types TVM computes and numpy holds: everything else (strings, bfloat16, float8, 4- and
+# 2-bit integers, complex) is refused up front rather than failing deep inside a build.
+_ELEMENT_TYPES = frozenset(
+    getattr(onnx.TensorProto, name)
+    for name in (
+        "FLOAT", "DOUBLE", "FLOAT16", "BOOL",
+        "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64",
+    )
+)  # fmt: skip
+
+
+def _check_element_types(model: onnx.ModelProto, source: str) -> None:
+    """Every tensor the model holds or computes has an element type of :data:`_ELEMENT_TYPES`
+    (as far as ONNX shape inference tells; ``Cast`` targets are checked as well)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError):
+        inferred = model.graph  # inference is a help here; the importer reports what it fails on
+    typed = [*inferred.input, *inferred.value_info, *inferred.output]
+    found = [
+        (vi.name, vi.type.tensor_type.elem_type)
+        for vi in typed
+        if vi.type.WhichOneof("value") == "tensor_type" and vi.type.tensor_type.elem_type
+    ]
+    found += [(t.name, t.data_type) for t in graph_tensors(model.graph)]
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if node.op_type in ("Cast", "EyeLike", "RandomNormal", "RandomUniform") and (
+                attr.name in ("to", "dtype")
+            ):
+                found.append((node.output[0], attr.i))
+    for name, elem_type in found:
+        if elem_type and elem_type not in _ELEMENT_TYPES:
+            kind = onnx.TensorProto.DataType.Name(elem_type).lower()
+            raise UnsupportedTypeError(
+                f"{source}: tensor {name!r} is of type {kind}; rangeprof handles float16/32/64, "
+                "integer and bool tensors"
+            )
 
 
 def _dtype(vi: onnx.ValueInfoProto, source: str) -> str:

@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .build_cache import BuildCache, cache_key
-from .data import CalibrationData, Preprocess, model_inputs, open_data
+from .data import CalibrationData, Preprocess, model_inputs, open_data, sample_batch
 from .errors import InputShapeError
 from .executor import Observed, ProfilingProgram, compile_program
 from .importer import ImportedModel
@@ -38,9 +38,13 @@ class ProfileOptions:
     batch_size: int | None = None  # None: the model's own batch (1 for a symbolic batch)
     samples: int | None = None
     seed: int = 0
+    # inputs fed whole in every run, not batched along dim 0 (see profiler.data)
+    constant_inputs: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return asdict(self)
+        doc = asdict(self)
+        doc["constant_inputs"] = list(self.constant_inputs)
+        return doc
 
 
 Progress = Callable[[int, int], None]  # (samples done, samples total)
@@ -81,8 +85,8 @@ class _Builder:
     the sidecar.
     """
 
-    def __init__(self, path: Path, bins: int | None, cache: BuildCache):
-        self.path, self.bins, self.cache = path, bins, cache
+    def __init__(self, path: Path, bins: int | None, constant: frozenset[str], cache: BuildCache):
+        self.path, self.bins, self.constant, self.cache = path, bins, constant, cache
         self.digest = _file_digest(path)
         self.target = host_target()
 
@@ -98,7 +102,7 @@ class _Builder:
             hit = self.cache.load(key)
             if hit is not None:
                 return _Request(key, ModelFacts.from_json(hit[1]["model"]), hit, None)
-        loaded = _load_for_batch(self.path, input_shapes, batch_size)
+        loaded = _load_for_batch(self.path, input_shapes, batch_size, self.constant)
         return _Request(key, loaded.facts, None, loaded)
 
     def prepare(self, request: _Request) -> _Prepared:
@@ -139,7 +143,12 @@ class _Builder:
 
 
 def _builder(path: str | Path, options: ProfileOptions, cache: BuildCache | None) -> _Builder:
-    return _Builder(Path(path), options.bins or None, BuildCache() if cache is None else cache)
+    return _Builder(
+        Path(path),
+        options.bins or None,
+        frozenset(options.constant_inputs),
+        BuildCache() if cache is None else cache,
+    )
 
 
 class _Programs:
@@ -148,12 +157,13 @@ class _Programs:
     def __init__(self, builder: _Builder, first: _Prepared):
         self.builder = builder
         self.shapes = dict(first.model.input_shapes)
-        self.by_batch = {_batch_of(first.model): first.program}
+        self.by_batch = {_batch_of(first.model, builder.constant): first.program}
 
     def get(self, batch: int) -> ProfilingProgram:
         if batch not in self.by_batch:
+            shapes = _with_batch(self.shapes, batch, self.builder.constant)
             try:
-                request = self.builder.request(_with_batch(self.shapes, batch), None)
+                request = self.builder.request(shapes, None)
             except InputShapeError as err:
                 raise InputShapeError(
                     f"a last batch of {batch} samples does not fit the model ({err}); "
@@ -163,20 +173,26 @@ class _Programs:
         return self.by_batch[batch]
 
 
-def _batch_of(model: ModelFacts) -> int:
-    return next(iter(model.input_shapes.values()))[0]
+def _batch_of(model: ModelFacts, constant: frozenset[str]) -> int:
+    return sample_batch(model_inputs(model, constant))
 
 
-def _with_batch(shapes: dict, batch: int) -> dict:
-    return {name: (batch, *dims[1:]) for name, dims in shapes.items()}
+def _with_batch(shapes: dict, batch: int, constant: frozenset[str]) -> dict:
+    """The input shapes for another batch: per-sample inputs change dim 0, constants stay."""
+    return {
+        name: dims if name in constant or not dims else (batch, *dims[1:])
+        for name, dims in shapes.items()
+    }
 
 
-def _load_for_batch(path: Path, input_shapes: dict | None, batch_size: int | None) -> LoadedModel:
+def _load_for_batch(
+    path: Path, input_shapes: dict | None, batch_size: int | None, constant: frozenset[str]
+) -> LoadedModel:
     loaded = load_model(path, input_shapes)
-    if batch_size is None or _batch_of(loaded) == batch_size:
+    if batch_size is None or _batch_of(loaded, constant) == batch_size:
         return loaded
     try:
-        return load_model(path, _with_batch(loaded.input_shapes, batch_size))
+        return load_model(path, _with_batch(loaded.input_shapes, batch_size, constant))
     except InputShapeError as err:
         raise InputShapeError(f"batch size {batch_size} does not fit the model: {err}") from None
 
@@ -232,7 +248,7 @@ class ModelProfiler:
     def __init__(self, builder: _Builder, prepared: _Prepared):
         self.prepared = prepared
         self.programs = _Programs(builder, prepared)
-        self.batch_size = _batch_of(prepared.model)
+        self.batch_size = _batch_of(prepared.model, builder.constant)
         self.bins = builder.bins
 
     @classmethod
@@ -263,8 +279,13 @@ class ModelProfiler:
         input_ids = {r.source_tensor: r.profile_id for r in layers if r.kind == "input"}
         totals: dict[str, Totals] = {}  # the observed tensors, merged run after run
         done = 0
+        per_sample = [
+            i.name
+            for i in model_inputs(self.prepared.model, self.programs.builder.constant)
+            if not i.constant
+        ]
         for batch in batches:
-            size = next(iter(batch.values())).shape[0]
+            size = batch[per_sample[0]].shape[0] if per_sample else 1
             self.programs.get(size).run_into(batch, totals)
             for name, array in batch.items():
                 if np.issubdtype(array.dtype, np.floating):
@@ -307,10 +328,11 @@ class ModelProfiler:
 def _open(
     model: ModelFacts, data: str, options: ProfileOptions, preprocess: Preprocess | None
 ) -> CalibrationData:
+    constant = frozenset(options.constant_inputs)
     return open_data(
         data,
-        model_inputs(model),
-        batch_size=_batch_of(model),
+        model_inputs(model, constant),
+        batch_size=_batch_of(model, constant),
         samples=options.samples,
         seed=options.seed,
         preprocess=preprocess,
