@@ -452,7 +452,7 @@ def _npz_reader(path: Path, member: str, what: str, dtype: np.dtype, inp: InputS
     if inp.constant:
         # The whole array is the one sample of a per-sample view of it.
         whole = _npz_reader(path, member, what, dtype, inp.as_one_sample())
-        return _constant_reader(lambda: next(whole(1, 1))[0])
+        return _constant_reader(lambda: np.asarray(next(whole(1, 1))[0]))
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         with zipfile.ZipFile(path) as archive, archive.open(member) as f:
@@ -489,7 +489,7 @@ def _random(inputs: Sequence[InputSpec], seed: int) -> dict[str, Reader]:
 def _random_reader(inp: InputSpec, kind: str, seed: np.random.SeedSequence) -> Reader:
     if inp.constant:
         whole = _random_reader(inp.as_one_sample(), kind, seed)
-        return _constant_reader(lambda: next(whole(1, 1))[0])
+        return _constant_reader(lambda: np.asarray(next(whole(1, 1))[0]))
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         rng = np.random.default_rng(seed)

@@ -87,7 +87,8 @@ class ProfilingProgram:
             total.add(np.from_dlpack(result[index]))
 
     def _call(self, batch: dict[str, np.ndarray]):
-        args = [tvm.runtime.tensor(np.ascontiguousarray(batch[n])) for n in self.input_names]
+        # Not ascontiguousarray, which makes a 0-d array (a scalar input) 1-d.
+        args = [tvm.runtime.tensor(np.asarray(batch[n], order="C")) for n in self.input_names]
         return self.vm["main"](*args)
 
 

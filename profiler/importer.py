@@ -114,7 +114,7 @@ def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict)
     A node claims the unclaimed bindings reachable backwards from its outputs; nodes are visited
     in graph (topological) order, so a node never claims its producers' bindings. Bindings no
     output reaches (e.g. unused tuple fields) belong to the node converted when they were emitted,
-    i.e. the owner of the nearest earlier binding.
+    i.e. the owner of the nearest earlier binding (ahead of every claimed one: the first owner).
     """
     refs = list(function_bindings("main", func))
     value_of = {r.var: r.value for r in refs}
@@ -142,6 +142,12 @@ def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict)
             previous = owner[ref.var]
         elif previous is not None:
             owner[ref.var] = previous
+    # Bindings ahead of every claimed one (a converter's helpers, e.g. the shape computation of
+    # a Squeeze with computed axes) belong to the first node that claimed a binding.
+    first = next((owner[r.var] for r in refs if r.var in owner), None)
+    if first is not None:
+        for ref in refs:
+            owner.setdefault(ref.var, first)
     return owner
 
 

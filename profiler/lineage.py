@@ -61,7 +61,9 @@ def binding_lineages(mod: tvm.IRModule) -> dict[str, Lineage]:
 
 def _lineage_table(mod: tvm.IRModule) -> dict[str, tuple[BindingRef, Lineage]]:
     table: dict[str, tuple[BindingRef, Lineage]] = {}
-    by_var: dict[relax.Var, Lineage] = {}
+    # A graph input returned as it is (``gv = x``: an Identity model) has the input's lineage.
+    params = next((f.params for name, f in relax_functions(mod) if name == "main"), [])
+    by_var: dict[relax.Var, Lineage] = {p: frozenset([INPUT_PREFIX + str(p.name)]) for p in params}
     for ref in module_bindings(mod):
         value = ref.value
         if isinstance(value, relax.Var):
@@ -278,7 +280,10 @@ def stage_report(
     lineage = {key: sorted(lin) for key, (_, lin) in table.items()}
     ops = Counter(op_name(ref.value) for ref, _ in table.values())
     fates = dict(previous_fates or {})
-    alive = alive_ids(mod)
+    # A computed value lives in a binding; one left only as a constant (a folded shape, say)
+    # has become that constant and gets a fate. Inputs and weights live outside bindings.
+    in_bindings = {i for _, lin in table.values() for i in lin}
+    alive = {i for i in alive_ids(mod) if i in in_bindings or _is_leaf(i)}
     lost = sorted(i for i in all_ids if i not in alive and i not in fates)
     if lost:
         if previous is None:
@@ -334,8 +339,22 @@ def _fates(lost, previous, current, cur_table) -> dict[str, str]:
             frontier = nxt
         return None
 
+    # Constants of the current module by the IDs on their spans, and the bindings using them.
+    cur_const_users: dict[str, str | None] = {}
+    for key, (ref, _) in cur_table.items():
+        for const in _constants(ref.value):
+            for i in ids_of(const):
+                cur_const_users.setdefault(i, key)
+    for _, func in relax_functions(current):
+        for i in ids_of(func.body.body):  # a constant returned as it is
+            cur_const_users.setdefault(i, None)
+
     fates = {}
     for lost_id in lost:
+        if lost_id in cur_const_users:
+            user = cur_const_users[lost_id]
+            fates[lost_id] = "eliminated:constant" if user is None else f"folded_into:{user}"
+            continue
         holders = [ref for ref, lin in prev_table.values() if lost_id in lin]
         holders += const_consumers.get(lost_id, [])
         target = next((t for t in map(surviving, holders) if t), None)
@@ -346,6 +365,11 @@ def _fates(lost, previous, current, cur_table) -> dict[str, str]:
         else:
             fates[lost_id] = "eliminated:dead"
     return fates
+
+
+def _is_leaf(profile_id: str) -> bool:
+    """Inputs and weights: values that live outside bindings."""
+    return profile_id.startswith((INPUT_PREFIX, WEIGHT_PREFIX))
 
 
 def untracked_bindings(mod: tvm.IRModule) -> list[str]:
@@ -363,7 +387,6 @@ def verify_lineage(reports: list[StageReport], all_ids: set[str]) -> list[str]:
         alive = {i for lin in report.lineage.values() for i in lin}
         for i in sorted(all_ids):
             # Inputs and weights live outside bindings; stage_report fated the lost ones.
-            leaf = i.startswith((INPUT_PREFIX, WEIGHT_PREFIX))
-            if i not in report.fates and i not in alive and not leaf:
+            if i not in report.fates and i not in alive and not _is_leaf(i):
                 problems.append(f"{report.name}: profileID {i} vanished without a fate")
     return problems

@@ -174,7 +174,7 @@ def run_case(case: Case, work: Path) -> Outcome:
         )
         problems = _compare(doc, _profiled(doc, named), expected, case)
     except RangeprofError as err:
-        return outcome(CLEAN, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return outcome(CLEAN, str(err))  # the line the CLI prints
     except Exception as err:
         last = traceback.extract_tb(err.__traceback__)[-1]
         where = f"{Path(last.filename).name}:{last.lineno}"
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     for outcome in run_cases(cases, args.cases / "work", args.jobs):
         outcomes.append(outcome)
-        print(f"{outcome.status:<17} {outcome.key} {outcome.seconds:.1f}s {outcome.detail}")
+        line = (outcome.detail.splitlines() or [""])[0]
+        print(f"{outcome.status:<17} {outcome.key} {outcome.seconds:.1f}s {line}")
         sys.stdout.flush()
     counts = summarize(outcomes)
     print(json.dumps(counts))

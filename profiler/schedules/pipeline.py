@@ -72,7 +72,13 @@ def _schedule(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc:
         except (ValueError, RuntimeError) as err:  # a shape the rule does not cover
             _LOG.info("%s: %s does not apply (%s)", name, rule.__name__, err)
     sch = s_tir.Schedule(func)
-    schedule_generic(sch)
+    try:
+        schedule_generic(sch)
+    except (ValueError, RuntimeError, TypeError) as err:
+        # A kernel the generic rules do not cover (data-dependent extents, scatters): TVM's
+        # default lowering compiles it as written. Correct, only not parallel or vectorised.
+        _LOG.info("%s: compiled unscheduled (%s)", name, err)
+        return func
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 

@@ -5,6 +5,7 @@
 * **Full-rank constants.** A per-channel constant of rank 3 added to an NCHW tensor (what
   :class:`~profiler.passes.fold_scale_axis.FoldScaleAxis` emits) stops ``ConvertLayout`` at that
   add, so constants of a binary op get leading unit axes up to the rank of the other operand.
+* **Stack as a concat** of ``expand_dims``: TVM's layout inference for ``stack`` is broken.
 * **Clip as operators.** The ONNX importer lowers ``Clip`` to ``call_tir`` of a ``maximum`` /
   ``minimum`` PrimFunc with a scalar bound; ``ConvertLayout`` cannot see through ``call_tir`` and
   would transpose back to NCHW around every ReLU6. Such calls become ``R.maximum`` /
@@ -78,6 +79,8 @@ class _Prepare(ConstantFolder):
     def rewrite(self, call):
         if call.op.name == "relax.call_tir":
             return self._clip(call)
+        if call.op.name == "relax.stack" and isinstance(call.args[0], relax.Tuple):
+            return _stack_as_concat(call)
         # Constants inline into operator calls (only: the instrumented program's outputs stay
         # variables), as later passes (FoldScaleAxis, ConvertLayout) look for them there.
         args = [self.inlined(a) for a in call.args]
@@ -109,6 +112,18 @@ class _Prepare(ConstantFolder):
         # The operator keeps the call's span: the Clip's profileIDs stay on its binding.
         new = op(data, relax.const(bound_value, str(bound.ty.dtype)))
         return relax.Call(new.op, new.args, new.attrs, new.ty_args, call.span)
+
+
+def _stack_as_concat(call: relax.Call) -> relax.Call:
+    """``stack(xs, axis)`` as ``concat(expand_dims(x, axis) for x in xs, axis)``: TVM's layout
+    inference for ``stack`` names an axis its own transposes cannot find ("Invalid SLayout"),
+    the concat's works."""
+    fields = list(call.args[0].fields)
+    axis = int(call.attrs.axis or 0) % (fields[0].ty.ndim + 1)
+    ids = ids_of(call)
+    parts = [with_ids(relax.op.expand_dims(x, axis), ids) for x in fields]
+    concat = relax.op.concat(parts, axis)
+    return relax.Call(concat.op, concat.args, concat.attrs, concat.ty_args, call.span)
 
 
 @tvm.transform.module_pass(opt_level=0, name="PrepareForSchedules")
