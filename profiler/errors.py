@@ -34,6 +34,10 @@ class UnsupportedTypeError(RangeprofError):
     """The model holds or computes tensors of an element type rangeprof cannot compute with."""
 
 
+class DynamicShapeError(RangeprofError):
+    """A tensor's shape depends on the input data, not only on the input shapes."""
+
+
 class ConversionError(RangeprofError):
     """An ONNX node uses a feature (attribute, input form) its converter does not handle."""
 

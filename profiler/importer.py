@@ -21,7 +21,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 
 from .bindings import function_bindings, op_name, tensor_dtype, tensor_shape, used_vars
 from .converters import CONVERTERS
-from .errors import ConversionError, RangeprofError, UnsupportedOperatorError
+from .errors import ConversionError, DynamicShapeError, RangeprofError, UnsupportedOperatorError
 from .onnx_load import LoadedModel
 from .tagging import (
     INPUT_PREFIX,
@@ -91,9 +91,7 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
             err.args = (f"node {node_name!r} ({op_name}): {err}",)
             raise
         except Exception as err:  # a stock converter rejecting this node's attributes or inputs
-            lines = [line for line in str(err).splitlines() if line.strip()]
-            message = lines[0] if lines else type(err).__name__
-            raise ConversionError(f"node {node_name!r} ({op_name}): {message}") from err
+            raise ConversionError(f"node {node_name!r} ({op_name}): {_first_line(err)}") from err
         node = self._node_by_name.get(node_name)
         # A graph output stays unbound so that emit_output binds it directly, without an alias.
         if node is not None and self._graph_outputs.isdisjoint(node.output):
@@ -106,6 +104,11 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
         if isinstance(sym, tvm.ir.Call | relax.TupleGetItem):
             return self.bb.emit(sym)
         return sym
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict) -> dict:
@@ -158,11 +161,15 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
     importer = _TrackingImporter(dict(loaded.input_shapes), dict(loaded.input_dtypes), graph)
     # The stock importer prints the inputs of a node it fails on; the error we raise says it all.
     with contextlib.redirect_stdout(io.StringIO()):
-        mod = importer.from_onnx(graph, loaded.opset)
+        try:
+            mod = importer.from_onnx(graph, loaded.opset)
+        except AssertionError as err:  # the frontend's checks of a converted node's outputs
+            raise ConversionError(f"{loaded.name}: {_first_line(err)}") from err
     func = mod["main"]
     tensors = importer._nodes
 
     owner = _claim_bindings(func, graph, tensors)
+    _check_static_shapes(func, owner)
     nodes = {n.name: n for n in graph.node}
     tensor_of_var = {}
     for node in graph.node:
@@ -264,6 +271,29 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
             name = profile_id.removeprefix(WEIGHT_PREFIX)
             fates.setdefault(profile_id, _folded_fate(graph, [name], result_id))
     return ImportedModel(loaded=loaded, mod=tagged, layers=layers, fates=fates)
+
+
+def _static(ty) -> bool:
+    if isinstance(ty, relax.TupleType):
+        return all(_static(field) for field in ty.fields)
+    if isinstance(ty, relax.TensorType):
+        shape = ty.shape
+        return shape is not None and all(isinstance(d, tvm.tirx.IntImm) for d in shape.values)
+    return True  # shapes, objects: no tensor data to observe
+
+
+def _check_static_shapes(func: relax.Function, owner: dict) -> None:
+    """With the input shapes fixed every tensor's shape is known, except where it depends on
+    the data (NonZero, Unique, Compress, a Slice or Expand by an input): the compiled profiling
+    program needs every shape from the input shapes alone."""
+    for ref in function_bindings("main", func):
+        if not _static(ref.var.ty):
+            node = owner.get(ref.var, "?")
+            raise DynamicShapeError(
+                f"node {node!r}: its output shape depends on the input data "
+                f"({ref.var.ty}); rangeprof profiles models whose tensor shapes follow from the "
+                "input shapes"
+            )
 
 
 def _weight_ids(graph: onnx.GraphProto, tensors: dict) -> dict:

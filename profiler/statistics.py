@@ -40,6 +40,27 @@ def exact_units(value: float) -> int:
     return num << (_SUM_SHIFT + 1 - den.bit_length())  # den is a power of two
 
 
+_MAX_UNITS = exact_units(np.finfo(np.float64).max)
+
+
+def saturated_units(value: float) -> int:
+    """:func:`exact_units` of a sum the statistics kernel computed in float64: a float64 tensor
+    whose sum or sum of squares left float64's range (values past 1e154) saturates at ±max
+    (its min, max and histogram stay exact; only its mean and std are then meaningless)."""
+    if math.isfinite(value):
+        return exact_units(value)
+    return 0 if math.isnan(value) else int(math.copysign(1, value)) * _MAX_UNITS
+
+
+def _exact_sum(values: np.ndarray, square: bool = False) -> int:
+    """The exact sum (of squares) of finite float64 values in units of 2**-1074, whatever their
+    magnitude (rounded down below the unit)."""
+    total = Fraction(0)
+    for value in values.tolist():
+        total += Fraction(value) ** 2 if square else Fraction(value)
+    return math.floor(total * (1 << _SUM_SHIFT))
+
+
 def canonical_exponent(vmin: float, vmax: float, bins: int) -> int:
     """Smallest exponent ``e`` with ``[vmin, vmax]`` spanning at most ``bins`` bins of width
     ``2**e`` (and bin indices below 2**52). Monotone in the data range, hence merge-consistent."""
@@ -232,8 +253,10 @@ class TensorStats:
         if not n:
             return None
         mean = Fraction(self.sum, n << _SUM_SHIFT)
-        var = Fraction(self.sum_sq, n << _SUM_SHIFT) - mean * mean
-        return math.sqrt(max(float(var), 0.0))
+        var = max(Fraction(self.sum_sq, n << _SUM_SHIFT) - mean * mean, Fraction(0))
+        if var.numerator.bit_length() - var.denominator.bit_length() < 1000:
+            return math.sqrt(float(var))
+        return math.sqrt(float(var / (1 << 1024))) * 2.0**512  # float64 values past 1e154
 
     @classmethod
     def observe(
@@ -260,9 +283,11 @@ class TensorStats:
             return cls(count=flat.size, nan_count=nan_count, inf_count=inf_count)
         vmin, vmax = float(finite.min()), float(finite.max())
         # numpy's pairwise sum, not BLAS: deterministic, and no BLAS threads fighting TVM's pool.
-        sum_sq = np.square(wide).sum()
-        if not math.isfinite(sum_sq):  # float32 squares overflow float64 only past 1e154
-            sum_sq = math.fsum(float(v) * float(v) for v in finite)
+        with np.errstate(over="ignore"):
+            sum_sq = np.square(wide).sum()
+        # Sums of float64 values past 1e154 leave float64's range: exact in integers instead.
+        total_units = exact_units(total) if math.isfinite(total) else _exact_sum(wide)
+        sum_sq_units = exact_units(sum_sq) if math.isfinite(sum_sq) else _exact_sum(wide, True)
         histogram = Histogram.of(wide, vmin, vmax, bins) if bins else None  # finite, widened
         per_channel = None
         if channel_axis is not None:
@@ -273,8 +298,8 @@ class TensorStats:
             inf_count=inf_count,
             min=vmin,
             max=vmax,
-            sum=exact_units(total),
-            sum_sq=exact_units(sum_sq),
+            sum=total_units,
+            sum_sq=sum_sq_units,
             histogram=histogram,
             per_channel=per_channel,
         )

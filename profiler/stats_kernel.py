@@ -48,7 +48,7 @@ from .statistics import (
     Histogram,
     TensorStats,
     canonical_exponent,
-    exact_units,
+    saturated_units,
 )
 
 HEADER = 10
@@ -420,8 +420,8 @@ def decode(vector: np.ndarray, bins: int, channel_axis: int | None) -> TensorSta
         inf_count=infs,
         min=head[3],
         max=head[4],
-        sum=exact_units(head[5]),
-        sum_sq=exact_units(head[6]),
+        sum=saturated_units(head[5]),
+        sum_sq=saturated_units(head[6]),
         histogram=histogram,
         per_channel=per_channel,
     )
@@ -455,8 +455,8 @@ class Totals:
         self.inf_count += infs
         if nans + infs == count:
             return
-        self.sum += exact_units(head[5])
-        self.sum_sq += exact_units(head[6])
+        self.sum += saturated_units(head[5])
+        self.sum_sq += saturated_units(head[6])
         channels = (len(vector) - HEADER - self.bins) // 2
         c0 = HEADER + self.bins
         if self.min is None:

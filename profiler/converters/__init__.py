@@ -1,4 +1,4 @@
-"""Converters of our own for ONNX operators that TVM's Relax frontend lacks.
+"""Converters of our own for ONNX operators that TVM's Relax frontend lacks or gets wrong.
 
 Each converter is an ``OnnxOpConverter`` subclass (TVM's own convention: ``_impl_v<opset>``
 classmethods taking ``(bb, inputs, attr, params)`` and returning a Relax expression), listed here
@@ -8,6 +8,12 @@ overrides a stock converter.
 
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
+from .normalization import BatchNormalization, Dropout
 from .recurrent import GRU, LSTM
 
-CONVERTERS: dict[str, type[OnnxOpConverter]] = {"LSTM": LSTM, "GRU": GRU}
+CONVERTERS: dict[str, type[OnnxOpConverter]] = {
+    "BatchNormalization": BatchNormalization,
+    "Dropout": Dropout,
+    "GRU": GRU,
+    "LSTM": LSTM,
+}

@@ -43,7 +43,12 @@ from .dense_int8 import legalize_matmul_int8, schedule_dense_int8
 from .dot import lower_dot_blocks
 from .elementwise import schedule_generic
 from .pooling import schedule_pooling
-from .prepare import pad_int8_channels, prepare, untranspose_quantize
+from .prepare import (
+    legalize_training_batch_norm,
+    pad_int8_channels,
+    prepare,
+    untranspose_quantize,
+)
 from .requantize import fold_bias, legalize_multiply, legalize_right_shift
 
 _LOG = logging.getLogger(__name__)
@@ -122,6 +127,7 @@ def relax_pipeline(
     }
     layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
     passes = [
+        legalize_training_batch_norm,
         relax.transform.DecomposeOpsForInference(),
         prepare,
         *([FoldScaleAxis(), prepare] if fold_scales else []),

@@ -5,7 +5,9 @@
 * **Full-rank constants.** A per-channel constant of rank 3 added to an NCHW tensor (what
   :class:`~profiler.passes.fold_scale_axis.FoldScaleAxis` emits) stops ``ConvertLayout`` at that
   add, so constants of a binary op get leading unit axes up to the rank of the other operand.
-* **Stack as a concat** of ``expand_dims``: TVM's layout inference for ``stack`` is broken.
+* **Batch norms in training mode** legalized first (:data:`legalize_training_batch_norm`).
+* **Stack as a concat** of ``expand_dims``, **dropout as its inference value** (the input and
+  a mask of ones): TVM's layout inference for both is broken.
 * **Clip as operators.** The ONNX importer lowers ``Clip`` to ``call_tir`` of a ``maximum`` /
   ``minimum`` PrimFunc with a scalar bound; ``ConvertLayout`` cannot see through ``call_tir`` and
   would transpose back to NCHW around every ReLU6. Such calls become ``R.maximum`` /
@@ -81,6 +83,9 @@ class _Prepare(ConstantFolder):
             return self._clip(call)
         if call.op.name == "relax.stack" and isinstance(call.args[0], relax.Tuple):
             return _stack_as_concat(call)
+        if call.op.name == "relax.nn.dropout":  # inference: the input, and a mask of ones
+            data = call.args[0]
+            return relax.Tuple([data, with_ids(relax.op.ones_like(data), ids_of(call))])
         # Constants inline into operator calls (only: the instrumented program's outputs stay
         # variables), as later passes (FoldScaleAxis, ConvertLayout) look for them there.
         args = [self.inlined(a) for a in call.args]
@@ -134,6 +139,34 @@ def prepare(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if isinstance(func, relax.Function):
             mod[gvar] = _Prepare(mod).visit_expr(func)
     return relax.transform.DeadCodeElimination()(mod)
+
+
+_BATCH_NORM = tvm.ir.Op.get("relax.nn.batch_norm")
+
+
+@relax.expr_functor.mutator
+class _TrainingBatchNorm(relax.PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if not (call.op.same_as(_BATCH_NORM) and call.attrs.training):
+            return call
+        legalized = _BATCH_NORM.get_attr("FLegalize")(self.builder_, call)
+        return with_ids(legalized, ids_of(call))
+
+
+@tvm.transform.module_pass(opt_level=0, name="LegalizeTrainingBatchNorm")
+def legalize_training_batch_norm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Batch norms in training mode (ONNX ``training_mode=1``: batch statistics, updated running
+    statistics) as TVM's own legalization computes them, before ``DecomposeOpsForInference``
+    rewrites every batch norm as an inference one."""
+    mod = mod.clone()
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mutator = _TrainingBatchNorm(mod)
+            visited = mutator.visit_expr(func)
+            mod = mutator.builder_.get()  # with the legalized PrimFuncs
+            mod[gvar] = visited
+    return mod
 
 
 def _inverse(first: relax.Call, second: relax.Call) -> bool:
