@@ -32,8 +32,9 @@ from .tagging import (
     node_binding_ids,
 )
 
-# Ops the stock importer handles outside its converter map.
-_BUILTIN_OPS = frozenset({"If", "Constant"})
+# Ops the stock importer handles outside its converter map. ``If`` is not among them: control
+# flow on data (an If that load-time folding could not decide) has no single program to profile.
+_BUILTIN_OPS = frozenset({"Constant"})
 
 
 @dataclass
@@ -278,7 +279,10 @@ def _static(ty) -> bool:
         return all(_static(field) for field in ty.fields)
     if isinstance(ty, relax.TensorType):
         shape = ty.shape
-        return shape is not None and all(isinstance(d, tvm.tirx.IntImm) for d in shape.values)
+        if isinstance(shape, relax.Var):  # the shape a shape-valued variable holds, if known
+            shape = shape.ty if isinstance(shape.ty, relax.ShapeType) else None
+        values = None if shape is None else shape.values
+        return values is not None and all(isinstance(d, tvm.tirx.IntImm) for d in values)
     return True  # shapes, objects: no tensor data to observe
 
 

@@ -8,7 +8,8 @@ overrides a stock converter.
 
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
-from .normalization import BatchNormalization, Dropout
+from .arithmetic import Pow
+from .normalization import BatchNormalization, Dropout, PRelu, RMSNormalization
 from .recurrent import GRU, LSTM
 
 CONVERTERS: dict[str, type[OnnxOpConverter]] = {
@@ -16,4 +17,7 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "Dropout": Dropout,
     "GRU": GRU,
     "LSTM": LSTM,
+    "Pow": Pow,
+    "PRelu": PRelu,
+    "RMSNormalization": RMSNormalization,
 }

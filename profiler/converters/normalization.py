@@ -1,6 +1,7 @@
 """Normalization and regularization layers where TVM's converters miss ONNX's semantics.
 
-BatchNormalization with ONNX's momentum in training mode.
+BatchNormalization with ONNX's momentum in training mode; Dropout in training mode refused;
+PRelu's channel slopes of opsets before 7; RMSNormalization over several axes.
 
 ONNX updates running statistics as ``running * momentum + batch * (1 - momentum)``; Relax's
 ``batch_norm`` (PyTorch's convention) as ``running * (1 - momentum) + batch * momentum``. TVM's
@@ -9,6 +10,7 @@ converter passes ONNX's momentum through unchanged, so the running mean and vari
 """
 
 import tvm
+from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from profiler.errors import ConversionError
@@ -37,3 +39,40 @@ class Dropout(onnx_frontend.Dropout):
                     "Dropout in training mode is random; export the model for inference"
                 )
         return super()._impl_v12(bb, inputs, attr, params)
+
+
+class PRelu(onnx_frontend.PRelu):
+    """Before opset 7 a 1-D slope holds one value per channel (axis 1), as PyTorch exported it;
+    from opset 7 it broadcasts like numpy (TVM's converter reads every opset that way)."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        x, slope = inputs[0], inputs[1]
+        dims, slope_dims = x.ty.shape.values, slope.ty.shape.values
+        if len(slope_dims) == 1 and len(dims) > 1 and int(slope_dims[0]) == int(dims[1]) > 1:
+            return relax.op.nn.prelu(x, slope, 1)
+        return super()._impl_v1(bb, inputs, attr, params)
+
+    @classmethod
+    def _impl_v7(cls, bb, inputs, attr, params):
+        return super()._impl_v1(bb, inputs, attr, params)
+
+
+class RMSNormalization(onnx_frontend.RMSNormalization):
+    """``x / sqrt(mean(x², axes) + ε) · scale`` in primitives: TVM's ``rms_norm`` legalization
+    fails when the scale has more than one axis (normalizing from axis 0, say)."""
+
+    @classmethod
+    def _impl_v23(cls, bb, inputs, attr, params):
+        data, scale = inputs[0], inputs[1]
+        rank = data.ty.ndim
+        axes = list(range(attr.get("axis", -1) % rank, rank))
+        dtype = str(data.ty.dtype)
+        stash = "float32" if attr.get("stash_type", 1) == 1 else dtype
+        x = data if dtype == stash else relax.op.astype(data, stash)
+        mean_square = relax.op.mean(relax.op.multiply(x, x), axes, keepdims=True)
+        epsilon = relax.const(attr.get("epsilon", 1e-5), stash)
+        normalized = relax.op.divide(x, relax.op.sqrt(relax.op.add(mean_square, epsilon)))
+        if dtype != stash:
+            normalized = relax.op.astype(normalized, dtype)
+        return relax.op.multiply(normalized, scale)

@@ -7,7 +7,8 @@
   add, so constants of a binary op get leading unit axes up to the rank of the other operand.
 * **Batch norms in training mode** legalized first (:data:`legalize_training_batch_norm`).
 * **Stack as a concat** of ``expand_dims``, **dropout as its inference value** (the input and
-  a mask of ones): TVM's layout inference for both is broken.
+  a mask of ones): TVM's layout inference for both is broken. ``cosh`` and ``sinh`` through
+  ``exp``, which LLVM lowers.
 * **Clip as operators.** The ONNX importer lowers ``Clip`` to ``call_tir`` of a ``maximum`` /
   ``minimum`` PrimFunc with a scalar bound; ``ConvertLayout`` cannot see through ``call_tir`` and
   would transpose back to NCHW around every ReLU6. Such calls become ``R.maximum`` /
@@ -83,6 +84,8 @@ class _Prepare(ConstantFolder):
             return self._clip(call)
         if call.op.name == "relax.stack" and isinstance(call.args[0], relax.Tuple):
             return _stack_as_concat(call)
+        if call.op.name in _HYPERBOLIC:
+            return _hyperbolic(call)
         if call.op.name == "relax.nn.dropout":  # inference: the input, and a mask of ones
             data = call.args[0]
             return relax.Tuple([data, with_ids(relax.op.ones_like(data), ids_of(call))])
@@ -117,6 +120,20 @@ class _Prepare(ConstantFolder):
         # The operator keeps the call's span: the Clip's profileIDs stay on its binding.
         new = op(data, relax.const(bound_value, str(bound.ty.dtype)))
         return relax.Call(new.op, new.args, new.attrs, new.ty_args, call.span)
+
+
+_HYPERBOLIC = {"relax.cosh": relax.op.add, "relax.sinh": relax.op.subtract}
+
+
+def _hyperbolic(call: relax.Call) -> relax.Call:
+    """``cosh`` / ``sinh`` as ``(exp(x) ± exp(-x)) / 2``: LLVM's code generator in TVM 0.27 has
+    no lowering for their intrinsics."""
+    x, ids = call.args[0], ids_of(call)
+    parts = [with_ids(relax.op.exp(v), ids) for v in (x, with_ids(relax.op.negative(x), ids))]
+    half = relax.const(0.5, str(x.ty.dtype))
+    total = with_ids(_HYPERBOLIC[call.op.name](*parts), ids)
+    product = relax.op.multiply(total, half)
+    return relax.Call(product.op, product.args, product.attrs, product.ty_args, call.span)
 
 
 def _stack_as_concat(call: relax.Call) -> relax.Call:
