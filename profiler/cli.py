@@ -121,6 +121,15 @@ def profile(
     ] = None,
     samples: Annotated[int | None, typer.Option(help="Use at most this many samples.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for --data random.")] = 0,
+    constant_input: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--constant-input",
+            metavar="NAME",
+            help="An input fed whole in every run (a state, mask or length: its array has the "
+            "input's full shape, no sample axis); repeatable. Scalar inputs always are.",
+        ),
+    ] = None,
     preprocess: Annotated[
         str | None,
         typer.Option(
@@ -155,7 +164,13 @@ def profile(
     try:
         if bins < 0:
             raise RangeprofError(f"--bins {bins} is negative")
-        options = ProfileOptions(bins=bins, batch_size=batch_size, samples=samples, seed=seed)
+        options = ProfileOptions(
+            bins=bins,
+            batch_size=batch_size,
+            samples=samples,
+            seed=seed,
+            constant_inputs=tuple(constant_input or ()),
+        )
         spec = parse_preprocess(preprocess) if preprocess else None
         execute = profile_model
         if ray is not None:

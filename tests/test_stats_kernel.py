@@ -12,7 +12,7 @@ import pytest
 import tvm
 
 from profiler.schedules import host_target
-from profiler.statistics import TensorStats
+from profiler.statistics import TensorStats, exact_units
 from profiler.stats_kernel import Totals, decode, kernel_view, output_length, stats_kernel
 
 
@@ -162,3 +162,21 @@ def test_numpy_histogram_scales_like_ldexp():
         h = stats.histogram
         index = np.floor(np.ldexp(x.astype(np.float64), -h.exponent)).astype(np.int64) - h.offset
         assert np.array_equal(h.counts, np.bincount(index, minlength=len(h.counts)))
+
+
+def test_float64_values_past_the_float_range_of_their_squares():
+    """Uninitialised float64 memory (PyTorch's operator tests) holds values like 6e199: their
+    squares leave float64. numpy's record sums exactly; the kernel's saturates its moments; both
+    keep min, max and the histogram, and neither raises."""
+    from fractions import Fraction
+
+    x = np.array([5.8568940091729575e199, -3e200, 1.0, 1.4e-322], dtype=np.float64)
+    record = TensorStats.observe(x, 64)
+    exact = sum(Fraction(v) ** 2 for v in x.tolist())
+    assert record.sum_sq == math.floor(exact * 2**1074)
+    assert record.sum == exact_units(x.sum())  # the sum itself fits: float64 as usual
+    assert math.isfinite(record.std) and record.std > 1e200
+    kernel = _kernel_stats(x, None, 64, None)
+    assert (kernel.min, kernel.max) == (record.min, record.max)
+    assert kernel.histogram == record.histogram
+    assert math.isfinite(kernel.mean)
