@@ -22,7 +22,10 @@ Folding and fates
     constant folding, where lineage follows them. onnxsim's graph optimizer stays off, so
     ``BatchNormalization`` and all other computing nodes survive with their names and output
     tensors. Folded values become initializers, so every node of the loaded model is a node of
-    the original one. Each original node that folding removed, except ``Constant`` nodes (their
+    the original one. Folding must not change what the model means: every folded value is
+    checked against what onnxruntime computes for that tensor (:func:`folding_errors`), and a
+    model onnxsim folds wrongly, or cannot fold, is imported unfolded (the importer then works
+    out its shapes itself). Each original node that folding removed, except ``Constant`` nodes (their
     values simply become weights), gets a fate:
 
     - ``folded_into:<name>``: ``<name>`` is the first surviving node, in the original graph order,
@@ -41,9 +44,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
+import numpy as np
 import onnx
 import onnxsim
 from google.protobuf.message import DecodeError
+from onnx import numpy_helper
 
 from profiler.errors import (
     InputShapeError,
@@ -175,7 +180,7 @@ def _load(
     _check_element_types(model, source)
     dtypes = {vi.name: _dtype(vi, source) for vi in inputs}
     _name_nodes(model.graph)
-    folded, fates = _fold(model, source)
+    folded, fates = _fold(model)
     return LoadedModel(
         name=name,
         sha256=hashlib.sha256(data).hexdigest(),
@@ -400,7 +405,7 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
         node.name = name
 
 
-def _fold(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, dict[str, str]]:
+def _fold(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
     """The folded model (see the module docstring) and the fates of the nodes it lost."""
     ir_version = model.ir_version
     model.ir_version = min(ir_version, _FOLD_IR_VERSION)  # restored on the result below
@@ -412,8 +417,9 @@ def _fold(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, dict[st
             initializers_as_constants=False,  # weights are Relax's to fold (see above)
             certify=False,
         )
-    except Exception as err:  # onnxsim passes on onnx, onnxruntime and its own C++ errors alike
-        raise InvalidModelError(f"{source}: cannot fold constants: {_line(err)}") from err
+    except Exception:  # onnxsim's own C++ errors: the importer works the shapes out itself
+        model.ir_version = ir_version
+        return model, {}
     folded.ir_version = ir_version
     # onnxsim logs its work in metadata_props; the fates below say the same per node.
     del folded.metadata_props[:]
@@ -431,9 +437,67 @@ def _fold(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, dict[st
     for node in kept:
         used |= _node_inputs(node)
     del folded.graph.node[:]
+    values = [_folded_value(n) for n in created if n.output[0] in used]
+    if folding_errors(model, values):
+        # onnxsim folded a value to something the model does not compute: keep the model as
+        # it is and let the importer work out its shapes.
+        model.ir_version = ir_version
+        return model, {}
     folded.graph.node.extend(n for n in kept if n.op_type != "Constant" or used & set(n.output))
-    folded.graph.initializer.extend(_folded_value(n) for n in created if n.output[0] in used)
+    folded.graph.initializer.extend(values)
     return folded, _fates(model.graph.node, {node.name for node in kept})
+
+
+def folding_errors(model: onnx.ModelProto, values: Sequence[onnx.TensorProto]) -> list[str]:
+    """The folded ``values`` (tensors named like the model's tensors they replace) that differ
+    from what onnxruntime computes for those tensors in ``model`` (inputs of its fixed shapes,
+    zero-filled: folded values depend on shapes only). Only the nodes they need run."""
+    import onnxruntime as ort
+
+    computed = [v for v in values if v.name not in {t.name for t in model.graph.initializer}]
+    if not computed:
+        return []
+    names = [v.name for v in computed]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.output[:]
+    probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
+    needed_nodes = _needed_nodes(probe.graph, set(names))
+    del probe.graph.node[:]
+    probe.graph.node.extend(needed_nodes)
+    feeds = {}
+    needed = {i for node in probe.graph.node for i in _node_inputs(node)}
+    for vi in _real_inputs(probe.graph):
+        if vi.name in needed:
+            shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+            feeds[vi.name] = np.zeros(
+                shape, onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+            )
+    del probe.graph.input[:]
+    probe.graph.input.extend(vi for vi in model.graph.input if vi.name in feeds)
+    try:
+        session = ort.InferenceSession(
+            probe.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        results = session.run(names, feeds)
+    except Exception:  # onnxruntime cannot run these nodes: nothing to check against
+        return []
+    errors = []
+    for value, result in zip(computed, results, strict=True):
+        expected = numpy_helper.to_array(value)
+        if expected.shape != result.shape or not np.array_equal(expected, result, equal_nan=True):
+            errors.append(f"{value.name}: folded {expected.tolist()}, computed {result.tolist()}")
+    return errors
+
+
+def _needed_nodes(graph: onnx.GraphProto, names: set[str]) -> list[onnx.NodeProto]:
+    """The nodes of ``graph`` that ``names`` depend on, in graph order."""
+    needed, wanted = [], set(names)
+    for node in reversed(graph.node):
+        if wanted & set(node.output):
+            needed.append(node)
+            wanted |= _node_inputs(node)
+    return list(reversed(needed))
 
 
 def _node_inputs(node: onnx.NodeProto) -> set[str]:

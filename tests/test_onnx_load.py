@@ -420,3 +420,27 @@ def test_zoo_ppocr_needs_a_shape_and_folds_its_reshape_target():
     assert len(chain) == 6
     assert set(chain.values()) == {"folded_into:Reshape@18"}
     assert all(f.startswith("folded_into:") for f in lm.fates.values())
+
+
+def test_folded_values_are_checked_against_onnxruntime():
+    """A Shape -> Reshape target folded right passes the check; one folded to another constant
+    (as onnxsim was seen to do on a recognition model) is caught, so loading keeps the model
+    unfolded instead of importing a different model."""
+    from profiler.onnx_load import folding_errors
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+            helper.make_node("Reshape", ["x", "shape"], ["y"], name="reshape"),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    right = numpy_helper.from_array(np.array([2, 3, 5], np.int64), "shape")
+    wrong = numpy_helper.from_array(np.array([2, 15], np.int64), "shape")
+    assert folding_errors(model, [right]) == []
+    (error,) = folding_errors(model, [wrong])
+    assert error.startswith("shape:") and "[2, 3, 5]" in error
