@@ -23,10 +23,11 @@ Folding and fates
     ``BatchNormalization`` and all other computing nodes survive with their names and output
     tensors. Folded values become initializers, so every node of the loaded model is a node of
     the original one. Folding must not change what the model means: every folded value is
-    checked against what onnxruntime computes for that tensor (:func:`folding_errors`), and a
-    model onnxsim folds wrongly, or cannot fold, is imported unfolded (the importer then works
-    out its shapes itself). Each original node that folding removed, except ``Constant`` nodes (their
-    values simply become weights), gets a fate:
+    checked against what onnxruntime computes for that tensor (:func:`misfolded`) and takes
+    onnxruntime's value where they differ (onnxsim was seen folding a recognition model's
+    Reshape targets for another width); a model onnxsim cannot fold is imported unfolded. Each
+    original node that folding removed, except ``Constant`` nodes (their values simply become
+    weights), gets a fate:
 
     - ``folded_into:<name>``: ``<name>`` is the first surviving node, in the original graph order,
       that consumes its outputs directly or through other removed nodes;
@@ -438,26 +439,50 @@ def _fold(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
         used |= _node_inputs(node)
     del folded.graph.node[:]
     values = [_folded_value(n) for n in created if n.output[0] in used]
-    if folding_errors(model, values):
-        # onnxsim folded a value to something the model does not compute: keep the model as
-        # it is and let the importer work out its shapes.
-        model.ir_version = ir_version
-        return model, {}
+    _correct_folds(model, folded, kept, values)
     folded.graph.node.extend(n for n in kept if n.op_type != "Constant" or used & set(n.output))
     folded.graph.initializer.extend(values)
     return folded, _fates(model.graph.node, {node.name for node in kept})
 
 
-def folding_errors(model: onnx.ModelProto, values: Sequence[onnx.TensorProto]) -> list[str]:
-    """The folded ``values`` (tensors named like the model's tensors they replace) that differ
-    from what onnxruntime computes for those tensors in ``model`` (inputs of its fixed shapes,
-    zero-filled: folded values depend on shapes only). Only the nodes they need run."""
+def _correct_folds(
+    model: onnx.ModelProto,
+    folded: onnx.ModelProto,
+    kept: list[onnx.NodeProto],
+    values: list[onnx.TensorProto],
+) -> None:
+    """Every value onnxsim folded (new initializers of ``folded`` and ``values``) set to what
+    onnxruntime computes for the tensor it replaces, where the two differ."""
+    original = {node.name: node for node in model.graph.node}
+    # onnxsim may name a folded value anew: the tensor it replaces is the kept node's input
+    # in the same position of the original node.
+    replaced = {}
+    for node in kept:
+        for before, after in zip(original[node.name].input, node.input, strict=True):
+            if before != after:
+                replaced[after] = before
+    weights = {t.name for t in model.graph.initializer}
+    new = [*values, *(t for t in folded.graph.initializer if t.name not in weights)]
+    by_tensor = {replaced.get(t.name, t.name): t for t in new}
+    wrong = misfolded(model, by_tensor)
+    for name, value in wrong.items():
+        tensor = by_tensor[name]
+        tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
+    if wrong:
+        del folded.graph.value_info[:]  # shapes onnxsim inferred from its wrong values
+
+
+def misfolded(model: onnx.ModelProto, values: dict[str, onnx.TensorProto]) -> dict[str, np.ndarray]:
+    """What onnxruntime computes for each tensor of ``model`` whose folded value (``values``, by
+    the name of the tensor it replaces) differs: inputs of their fixed shapes, zero-filled
+    (folded values depend on shapes only); only the nodes they need run. Empty where
+    onnxruntime cannot run those nodes."""
     import onnxruntime as ort
 
-    computed = [v for v in values if v.name not in {t.name for t in model.graph.initializer}]
-    if not computed:
-        return []
-    names = [v.name for v in computed]
+    weights = {t.name for t in model.graph.initializer}
+    names = [name for name in values if name not in weights]
+    if not names:
+        return {}
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     del probe.graph.output[:]
@@ -481,13 +506,13 @@ def folding_errors(model: onnx.ModelProto, values: Sequence[onnx.TensorProto]) -
         )
         results = session.run(names, feeds)
     except Exception:  # onnxruntime cannot run these nodes: nothing to check against
-        return []
-    errors = []
-    for value, result in zip(computed, results, strict=True):
-        expected = numpy_helper.to_array(value)
-        if expected.shape != result.shape or not np.array_equal(expected, result, equal_nan=True):
-            errors.append(f"{value.name}: folded {expected.tolist()}, computed {result.tolist()}")
-    return errors
+        return {}
+    wrong = {}
+    for name, result in zip(names, results, strict=True):
+        folded = numpy_helper.to_array(values[name])
+        if folded.shape != result.shape or not np.array_equal(folded, result, equal_nan=True):
+            wrong[name] = np.asarray(result, dtype=folded.dtype)
+    return wrong
 
 
 def _needed_nodes(graph: onnx.GraphProto, names: set[str]) -> list[onnx.NodeProto]:

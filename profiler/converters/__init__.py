@@ -9,13 +9,20 @@ overrides a stock converter.
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from .arithmetic import Pow
-from .normalization import BatchNormalization, Dropout, PRelu, RMSNormalization
+from .normalization import (
+    BatchNormalization,
+    Dropout,
+    LayerNormalization,
+    PRelu,
+    RMSNormalization,
+)
 from .recurrent import GRU, LSTM
 
 CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "BatchNormalization": BatchNormalization,
     "Dropout": Dropout,
     "GRU": GRU,
+    "LayerNormalization": LayerNormalization,
     "LSTM": LSTM,
     "Pow": Pow,
     "PRelu": PRelu,

@@ -1,7 +1,8 @@
 """Normalization and regularization layers where TVM's converters miss ONNX's semantics.
 
 BatchNormalization with ONNX's momentum in training mode; Dropout in training mode refused;
-PRelu's channel slopes of opsets before 7; RMSNormalization over several axes.
+PRelu's channel slopes of opsets before 7; RMSNormalization over several axes; LayerNormalization's
+Mean and InvStdDev outputs.
 
 ONNX updates running statistics as ``running * momentum + batch * (1 - momentum)``; Relax's
 ``batch_norm`` (PyTorch's convention) as ``running * (1 - momentum) + batch * momentum``. TVM's
@@ -76,3 +77,27 @@ class RMSNormalization(onnx_frontend.RMSNormalization):
         if dtype != stash:
             normalized = relax.op.astype(normalized, dtype)
         return relax.op.multiply(normalized, scale)
+
+
+class LayerNormalization(onnx_frontend.LayerNormalization):
+    """``Mean`` and ``InvStdDev``, when the node has them, as ONNX defines them (over the
+    normalized axes, in the stash type, keeping the reduced axes); TVM's converter returns
+    zero placeholders for both. ``Y`` stays TVM's ``layer_norm``."""
+
+    @classmethod
+    def _impl_v17(cls, bb, inputs, attr, params):
+        converted = super()._impl_v17(bb, inputs, attr, params)
+        if attr["tvm_custom"]["num_outputs"] == 1:
+            return converted
+        data = inputs[0]
+        rank = data.ty.ndim
+        axes = list(range(attr.get("axis", -1) % rank, rank))
+        dtype = str(data.ty.dtype)
+        stash = "float32" if attr.get("stash_type", 1) == 1 else dtype
+        x = data if dtype == stash else relax.op.astype(data, stash)
+        mean = relax.op.mean(x, axes, keepdims=True)
+        centered = relax.op.subtract(x, mean)
+        variance = relax.op.mean(relax.op.multiply(centered, centered), axes, keepdims=True)
+        epsilon = relax.const(attr.get("epsilon", 1e-5), stash)
+        inv_std_dev = relax.op.rsqrt(relax.op.add(variance, epsilon))
+        return relax.Tuple([converted.fields[0], mean, inv_std_dev])

@@ -125,7 +125,9 @@ def relax_pipeline(
         "relax.multiply": legalize_multiply,
         "relax.right_shift": legalize_right_shift,
     }
-    layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
+    # conv2d_transpose stays NCHW (TVM legalizes it in no other layout): the rewrite transposes
+    # around it, and only it.
+    layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
     passes = [
         legalize_training_batch_norm,
         relax.transform.DecomposeOpsForInference(),

