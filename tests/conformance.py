@@ -1,9 +1,10 @@
 """The ONNX backend test suite run through rangeprof, case by case.
 
-Each case (a model and its reference inputs and outputs) goes through what ``rangeprof inspect``
-and ``rangeprof profile`` run (:func:`profiler.tracking.track_model`,
-:func:`profiler.profiling.profile_model` on an ``.npz`` of the case's inputs, every input marked
-constant: one run of the case's exact shapes) and is classified:
+Each case (a model and its reference inputs and outputs) goes through what ``rangeprof profile``
+runs, which includes all that ``rangeprof inspect`` runs (:func:`profiler.profiling.profile_model`
+loads, imports and tracks every stage with :func:`profiler.tracking.track`, then compiles and
+runs), on an ``.npz`` of the case's inputs, every input marked constant: one run of the case's
+exact shapes. It is classified:
 
 ``PASS``
     both succeed and every float output of the model is profiled with the reference's min / max;
@@ -18,7 +19,10 @@ Cases run in worker processes, so a crash of native code loses one case, not the
 Suites: ``node`` (regenerated with the installed onnx's generator), and ``pytorch-converted``,
 ``pytorch-operator``, ``simple`` (shipped as data with onnx).
 
-``python tests/conformance.py [--jobs N] [--only SUBSTRING] [--json FILE]`` prints the counts.
+Node cases named ``*_expanded`` run an operator's ONNX function body instead of the operator;
+:func:`generate_cases` leaves them out unless asked (``expanded=True``): the tests run without
+them (their primitive operators have cases of their own), ``python tests/conformance.py
+[--jobs N] [--only SUBSTRING] [--json FILE]`` runs everything and prints the counts.
 """
 
 from __future__ import annotations
@@ -74,9 +78,9 @@ def _shipped_root() -> Path:
     return Path(onnx.__file__).parent / "backend" / "test" / "data"
 
 
-def generate_cases(root: Path) -> list[Case]:
-    """Writes the node cases (model + first data set) under ``root`` once, and lists every
-    case of the four suites."""
+def generate_cases(root: Path, expanded: bool = True) -> list[Case]:
+    """Writes the node cases (model + first data set) under ``root`` once, and lists the cases
+    of the four suites (the ``*_expanded`` node cases only with ``expanded``)."""
     node_dir = root / "node"
     marker = root / f"node-{onnx.__version__}.json"
     if not marker.exists():
@@ -99,6 +103,7 @@ def generate_cases(root: Path) -> list[Case]:
     cases = [
         Case("node", name, str(node_dir / name), rtol, atol)
         for name, (rtol, atol) in sorted(json.loads(marker.read_text()).items())
+        if expanded or not name.endswith("_expanded")
     ]
     for suite in SHIPPED_SUITES:
         for folder in sorted((_shipped_root() / suite).iterdir()):
@@ -152,8 +157,8 @@ def run_case(case: Case, work: Path) -> Outcome:
         return Outcome(case.key, status, detail, round(time.perf_counter() - start, 3))
 
     from profiler.errors import RangeprofError
+    from profiler.onnx_load import load_model
     from profiler.profiling import ProfileOptions, profile_model
-    from profiler.tracking import track_model
 
     folder = Path(case.folder)
     model_path = folder / "model.onnx"
@@ -162,7 +167,9 @@ def run_case(case: Case, work: Path) -> Outcome:
         data_dir = folder / "test_data_set_0"
         inputs = _read_values(data_dir, "input", model.graph.input)
         expected = _read_values(data_dir, "output", model.graph.output)
-        named = track_model(model_path).imported.loaded.model.graph  # nodes named as profiled
+        # profile_model loads, imports and tracks the stages as `rangeprof inspect` does
+        # (profiler.tracking.track), then compiles and runs: one call covers both commands.
+        named = load_model(model_path).model.graph  # nodes named as profiled
         data = work / "inputs.npz"
         fed = {k: v for k, v in inputs.items() if v is not None}
         np.savez(data, **{f"a{i}": v for i, v in enumerate(fed.values())})
@@ -253,8 +260,7 @@ class _Slot:
 
 def run_cases(cases: list[Case], work: Path, jobs: int = 2) -> Iterator[Outcome]:
     """Outcomes of ``cases`` (in completion order) from ``jobs`` worker processes."""
-    import profiler.profiling
-    import profiler.tracking  # noqa: F401  (imported once here, forked warm into every worker)
+    import profiler.profiling  # noqa: F401  (imported once here, forked warm into every worker)
 
     context = multiprocessing.get_context("fork")
     pending = list(reversed(cases))
