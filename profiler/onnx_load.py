@@ -442,7 +442,8 @@ def _fold(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
     _correct_folds(model, folded, kept, values)
     folded.graph.node.extend(n for n in kept if n.op_type != "Constant" or used & set(n.output))
     folded.graph.initializer.extend(values)
-    return folded, _fates(model.graph.node, {node.name for node in kept})
+    removed = _fold_shape_inputs(folded)
+    return folded, _fates(model.graph.node, {n.name for n in kept if n.name not in removed})
 
 
 def _correct_folds(
@@ -477,19 +478,34 @@ def misfolded(model: onnx.ModelProto, values: dict[str, onnx.TensorProto]) -> di
     the name of the tensor it replaces) differs: inputs of their fixed shapes, zero-filled
     (folded values depend on shapes only); only the nodes they need run. Empty where
     onnxruntime cannot run those nodes."""
-    import onnxruntime as ort
-
     weights = {t.name for t in model.graph.initializer}
     names = [name for name in values if name not in weights]
-    if not names:
+    results = _computed(model, names) if names else None
+    if results is None:  # onnxruntime cannot run these nodes: nothing to check against
         return {}
+    wrong = {}
+    for name, result in zip(names, results, strict=True):
+        folded = numpy_helper.to_array(values[name])
+        if folded.shape != result.shape or not np.array_equal(folded, result, equal_nan=True):
+            wrong[name] = np.asarray(result, dtype=folded.dtype)
+    return wrong
+
+
+def _computed(model: onnx.ModelProto, names: list[str]) -> list[np.ndarray] | None:
+    """What onnxruntime computes for tensors ``names`` of ``model`` that depend on input shapes
+    only (inputs of their fixed shapes, zero-filled; only the nodes they need run), or None
+    where it cannot."""
+    import onnxruntime as ort
+
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
+    probe.ir_version = min(probe.ir_version, _FOLD_IR_VERSION)
     del probe.graph.output[:]
     probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
     needed_nodes = _needed_nodes(probe.graph, set(names))
     del probe.graph.node[:]
     probe.graph.node.extend(needed_nodes)
+    del probe.graph.value_info[:]
     feeds = {}
     needed = {i for node in probe.graph.node for i in _node_inputs(node)}
     for vi in _real_inputs(probe.graph):
@@ -501,18 +517,88 @@ def misfolded(model: onnx.ModelProto, values: dict[str, onnx.TensorProto]) -> di
     del probe.graph.input[:]
     probe.graph.input.extend(vi for vi in model.graph.input if vi.name in feeds)
     try:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # its warnings about the probe's unused weights: noise
         session = ort.InferenceSession(
-            probe.SerializeToString(), providers=["CPUExecutionProvider"]
+            probe.SerializeToString(), options, providers=["CPUExecutionProvider"]
         )
-        results = session.run(names, feeds)
-    except Exception:  # onnxruntime cannot run these nodes: nothing to check against
-        return {}
-    wrong = {}
-    for name, result in zip(names, results, strict=True):
-        folded = numpy_helper.to_array(values[name])
-        if folded.shape != result.shape or not np.array_equal(folded, result, equal_nan=True):
-            wrong[name] = np.asarray(result, dtype=folded.dtype)
-    return wrong
+        return session.run(names, feeds)
+    except Exception:  # an operator onnxruntime lacks, say
+        return None
+
+
+# Inputs that give an operator's output its shape (by position): the importer needs them static.
+_SHAPE_INPUTS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Range": (0, 1, 2),
+    "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "Upsample": (1,),
+    "OneHot": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "TopK": (1,), "Split": (1,),
+    "ReduceMean": (1,), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+}  # fmt: skip
+# Operators whose outputs depend on no input value: their own shapes, or randomness (never folded).
+_SHAPE_OF = frozenset({"Shape", "Size"})
+_NEVER_FOLDED = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial"}
+)
+# Operators whose output shape depends on input values.
+_DATA_SHAPED = frozenset(
+    {"NonZero", "Unique", "Compress", "NonMaxSuppression", "If", "Loop", "Scan"}
+)
+
+
+def _fold_shape_inputs(model: onnx.ModelProto) -> set[str]:
+    """Folds what onnxsim left of the values that give outputs their shapes (a Reshape target
+    computed from a Shape): each value that depends on input shapes only and feeds a shape input
+    of :data:`_SHAPE_INPUTS` becomes an initializer computed by onnxruntime; returns the names of
+    the nodes that no longer compute anything used."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    static = set(initializers)  # values independent of input values
+    dynamic_shape: set[str] = set()  # tensors whose shape depends on input values
+    for node in graph.node:
+        inputs = {i for i in node.input if i}
+        shaping = {
+            node.input[k] for k in _SHAPE_INPUTS.get(node.op_type, ()) if k < len(node.input)
+        }
+        if node.op_type in _DATA_SHAPED or dynamic_shape & inputs or not shaping - {""} <= static:
+            dynamic_shape.update(node.output)
+        if node.op_type in _NEVER_FOLDED:
+            continue
+        if node.op_type in _SHAPE_OF:
+            if not dynamic_shape & inputs:
+                static.update(node.output)
+        elif inputs <= static:  # Constant nodes included: they have no inputs
+            static.update(node.output)
+    wanted = []
+    for node in graph.node:
+        for k in _SHAPE_INPUTS.get(node.op_type, ()):
+            name = node.input[k] if k < len(node.input) else ""
+            if name in static and name not in initializers and name not in wanted:
+                wanted.append(name)
+    if not wanted:
+        return set()
+    values = _computed(model, wanted)
+    if values is None:
+        return set()
+    graph.initializer.extend(
+        numpy_helper.from_array(np.asarray(v), n) for n, v in zip(wanted, values, strict=True)
+    )
+    # Nodes whose outputs nothing reads any more go.
+    removed: set[str] = set()
+    while True:
+        read = {o.name for o in graph.output}
+        for node in graph.node:
+            read |= _node_inputs(node)
+        produced_now = {t.name for t in graph.initializer}
+        dead = [
+            n for n in graph.node
+            if all(not o or o not in read or o in produced_now for o in n.output)
+        ]  # fmt: skip
+        if not dead:
+            return removed
+        removed.update(n.name for n in dead)
+        keep = [n for n in graph.node if n not in dead]
+        del graph.node[:]
+        graph.node.extend(keep)
 
 
 def _needed_nodes(graph: onnx.GraphProto, names: set[str]) -> list[onnx.NodeProto]:

@@ -58,3 +58,21 @@ def reference_ranges(
                 lo, hi = min(lo, ranges[name][0]), max(hi, ranges[name][1])
             ranges[name] = (lo, hi)
     return ranges
+
+
+def assert_fidelity(doc, reference, model_path):
+    """Every data-dependent float ONNX tensor matches the reference to 1e-4 of its range."""
+    by_tensor = {t["source_tensor"]: t for t in doc["tensors"] if t["source_tensor"] is not None}
+    by_id = {t["profile_id"]: t for t in doc["tensors"]}
+    # An Identity-like node made no binding: its tensor is profiled under the value it names.
+    for node in onnx.load(model_path, load_external_data=False).graph.node:
+        fate = doc["lineage"]["fates"].get(node.name, "")
+        if fate.startswith("aliases:"):
+            by_tensor.update(dict.fromkeys(node.output, by_id[fate.removeprefix("aliases:")]))
+    missing = sorted(set(reference) - set(by_tensor))
+    assert not missing, missing
+    for name, (lo, hi) in reference.items():
+        entry = by_tensor[name]
+        tol = 1e-4 * max(abs(lo), abs(hi), 1e-30)
+        assert abs(entry["min"] - lo) <= tol, (name, entry["min"], lo)
+        assert abs(entry["max"] - hi) <= tol, (name, entry["max"], hi)

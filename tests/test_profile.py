@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import numpy as np
-import onnx
 import pytest
 import tvm
 from tvm import relax
@@ -24,7 +23,7 @@ from profiler.schedules import build
 
 import onnx_builders as mb
 from conftest import SHARED, ZOO_SHAPES, zoo_model
-from ort_reference import exposed_session, reference_ranges
+from ort_reference import assert_fidelity, exposed_session, reference_ranges
 
 
 def _cli_profile(model, data, out, *extra):
@@ -32,24 +31,6 @@ def _cli_profile(model, data, out, *extra):
     cmd += ["--out", str(out), *extra]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return load_profile(out)
-
-
-def _assert_fidelity(doc, reference, model_path):
-    """Every data-dependent float ONNX tensor matches the reference to 1e-4 of its range."""
-    by_tensor = {t["source_tensor"]: t for t in doc["tensors"] if t["source_tensor"] is not None}
-    by_id = {t["profile_id"]: t for t in doc["tensors"]}
-    # An Identity-like node made no binding: its tensor is profiled under the value it names.
-    for node in onnx.load(model_path, load_external_data=False).graph.node:
-        fate = doc["lineage"]["fates"].get(node.name, "")
-        if fate.startswith("aliases:"):
-            by_tensor.update(dict.fromkeys(node.output, by_id[fate.removeprefix("aliases:")]))
-    missing = sorted(set(reference) - set(by_tensor))
-    assert not missing, missing
-    for name, (lo, hi) in reference.items():
-        entry = by_tensor[name]
-        tol = 1e-4 * max(abs(lo), abs(hi), 1e-30)
-        assert abs(entry["min"] - lo) <= tol, (name, entry["min"], lo)
-        assert abs(entry["max"] - hi) <= tol, (name, entry["max"], hi)
 
 
 @pytest.mark.zoo
@@ -60,7 +41,7 @@ def test_digits_fidelity_cli(tmp_path):
     calib = np.load(data)["calib"]
     session = exposed_session(zoo_model("digits_cnn"), {"image": (1, 1, 8, 8)})
     reference = reference_ranges(session, ({"image": calib[i : i + 1]} for i in range(len(calib))))
-    _assert_fidelity(doc, reference, zoo_model("digits_cnn"))
+    assert_fidelity(doc, reference, zoo_model("digits_cnn"))
 
 
 @pytest.mark.zoo
@@ -71,7 +52,7 @@ def test_ppocr_fidelity_cli(tmp_path):
     calib = np.load(data)["calib"]
     session = exposed_session(model, ZOO_SHAPES["ppocr_cls"])
     reference = reference_ranges(session, ({"x": calib[i : i + 1]} for i in range(len(calib))))
-    _assert_fidelity(doc, reference, model)
+    assert_fidelity(doc, reference, model)
 
 
 @pytest.mark.zoo
@@ -81,7 +62,7 @@ def test_resnet18_random_fidelity_cli(tmp_path):
     assert doc["run"]["samples"] == 2
     source = open_data("random", model_inputs(load_model(model)), samples=2)
     session = exposed_session(model)
-    _assert_fidelity(doc, reference_ranges(session, source.batches()), model)
+    assert_fidelity(doc, reference_ranges(session, source.batches()), model)
 
 
 def _profiled_output(imported, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
