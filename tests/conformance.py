@@ -190,6 +190,42 @@ def run_case(case: Case, work: Path) -> Outcome:
     return outcome(WRONG, "; ".join(problems)) if problems else outcome(PASS, "")
 
 
+def run_stock(case: Case, work: Path) -> Outcome:
+    """The case through the same import and TVM's stock build (``tvm.compile``, no rangeprof
+    passes) instead of the profiling build: whether a failure is TVM's own."""
+    start = time.perf_counter()
+    import tvm
+    from tvm import relax
+
+    from profiler.errors import RangeprofError
+    from profiler.importer import import_onnx
+    from profiler.onnx_load import load_model
+
+    folder = Path(case.folder)
+    try:
+        loaded = load_model(folder / "model.onnx")
+        graph = loaded.model.graph
+        inputs = _read_values(folder / "test_data_set_0", "input", graph.input)
+        expected = _read_values(folder / "test_data_set_0", "output", graph.output)
+        vm = relax.VirtualMachine(tvm.compile(import_onnx(loaded).mod, "llvm"), tvm.cpu())
+        args = [tvm.runtime.tensor(inputs[name]) for name in loaded.input_shapes]
+        result = vm["main"](*args)
+        results = [result] if hasattr(result, "numpy") else list(result)
+        problems = []
+        for (name, want), got in zip(expected.items(), results, strict=False):
+            if want is not None and hasattr(got, "numpy"):
+                got = got.numpy()
+                if not np.allclose(got, want, case.rtol, case.atol, equal_nan=True):
+                    problems.append(f"output {name!r} differs from the reference")
+    except RangeprofError as err:
+        status, detail = CLEAN, str(err)
+    except Exception as err:
+        status, detail = CRASH, f"{type(err).__name__}: {(str(err).splitlines() or [''])[-1]}"
+    else:
+        status, detail = (WRONG, "; ".join(problems)) if problems else (PASS, "")
+    return Outcome(case.key, status, detail, round(time.perf_counter() - start, 3))
+
+
 def _profiled(doc: dict, graph: onnx.GraphProto) -> dict[str, dict]:
     """The profile's entry for each ONNX tensor of the graph it names: by ``source_tensor``, or,
     for the output of a node whose fate is ``aliases:<profileID>`` (an Identity), that entry."""
@@ -237,7 +273,7 @@ def _compare(
 # Worker processes: one case at a time each; a dead worker costs its case only.
 
 
-def _worker(conn: Connection, work: str) -> None:
+def _worker(conn: Connection, work: str, runner) -> None:
     # What TVM's and onnxsim's native code print would bury the report.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
@@ -247,7 +283,7 @@ def _worker(conn: Connection, work: str) -> None:
             case = conn.recv()
             scratch = Path(work) / str(os.getpid())
             scratch.mkdir(parents=True, exist_ok=True)
-            conn.send(run_case(case, scratch))
+            conn.send(runner(case, scratch))
 
 
 @dataclass
@@ -258,8 +294,8 @@ class _Slot:
     since: float = 0.0
 
 
-def run_cases(cases: list[Case], work: Path, jobs: int = 2) -> Iterator[Outcome]:
-    """Outcomes of ``cases`` (in completion order) from ``jobs`` worker processes."""
+def run_cases(cases: list[Case], work: Path, jobs: int = 2, runner=run_case) -> Iterator[Outcome]:
+    """Outcomes of ``runner`` on ``cases`` (in completion order) from ``jobs`` processes."""
     import profiler.profiling  # noqa: F401  (imported once here, forked warm into every worker)
 
     context = multiprocessing.get_context("fork")
@@ -267,7 +303,7 @@ def run_cases(cases: list[Case], work: Path, jobs: int = 2) -> Iterator[Outcome]
 
     def start() -> _Slot:
         parent, child = context.Pipe()
-        process = context.Process(target=_worker, args=(child, str(work)), daemon=True)
+        process = context.Process(target=_worker, args=(child, str(work), runner), daemon=True)
         process.start()
         child.close()
         return _Slot(process, parent)
@@ -328,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=Path, default=Path("/tmp/rangeprof-conformance"))
     parser.add_argument("--json", type=Path, help="write every outcome here")
     parser.add_argument("--rerun", type=Path, help="run the cases that did not pass in this JSON")
+    parser.add_argument(
+        "--stock", action="store_true", help="TVM's stock build instead of rangeprof's (run_stock)"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", "1")
     os.environ.setdefault("RANGEPROF_CACHE", "off")
@@ -338,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = {o["key"] for o in json.loads(args.rerun.read_text()) if o["status"] != PASS}
         cases = [c for c in cases if c.key in failed]
     outcomes = []
-    for outcome in run_cases(cases, args.cases / "work", args.jobs):
+    runner = run_stock if args.stock else run_case
+    for outcome in run_cases(cases, args.cases / "work", args.jobs, runner):
         outcomes.append(outcome)
         line = (outcome.detail.splitlines() or [""])[0]
         print(f"{outcome.status:<17} {outcome.key} {outcome.seconds:.1f}s {line}")

@@ -41,7 +41,7 @@ from .conv2d_int8 import is_int8, legalize_conv2d_int8, schedule_conv2d_int8
 from .dense import legalize_matmul, schedule_dense
 from .dense_int8 import legalize_matmul_int8, schedule_dense_int8
 from .dot import lower_dot_blocks
-from .elementwise import schedule_generic
+from .elementwise import root_blocks, schedule_generic
 from .pooling import schedule_pooling
 from .prepare import (
     legalize_training_batch_norm,
@@ -77,6 +77,8 @@ def _schedule(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc:
         except (ValueError, RuntimeError) as err:  # a shape the rule does not cover
             _LOG.info("%s: %s does not apply (%s)", name, rule.__name__, err)
     sch = s_tir.Schedule(func)
+    if not _plain(sch):
+        return func
     try:
         schedule_generic(sch)
     except (ValueError, RuntimeError, TypeError) as err:
@@ -85,6 +87,16 @@ def _schedule(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc:
         _LOG.info("%s: compiled unscheduled (%s)", name, err)
         return func
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _plain(sch: s_tir.Schedule) -> bool:
+    """Whether the generic rules apply: a root block whose children all have iteration
+    variables. An opaque block (a sort, NMS or scan as TOPI writes it) is not one of the
+    injective or reduction kernels the rules take apart; TVM compiles it as written."""
+    try:
+        return all(sch.get(block).iter_vars for block in root_blocks(sch))
+    except (ValueError, RuntimeError):  # no root block
+        return False
 
 
 @tvm.transform.module_pass(opt_level=0, name="ApplySchedules")
