@@ -68,7 +68,7 @@ def integer_core(
     requantized, for a region whose consumers are FP32 operators."""
     fr = region.float_region
     x, y = region.input, region.output
-    wq, w_scales = quantize_weights(fr.weight, fr.channel_axis, policy)
+    wq, w_scales = quantize_weights(fr.weight, fr.channel_axis, policy, fr.bias, x.scale)
     bias = int32_bias(fr.bias, wq, fr.channel_axis, x, w_scales)
     channels = wq.shape[fr.channel_axis]
 

@@ -144,16 +144,33 @@ def _power_of_two_up(scale: np.ndarray) -> np.ndarray:
     return np.exp2(np.ceil(np.log2(scale)))
 
 
+_BIAS_UNITS = 2.0**30  # of int32's 2^31: room for the input zero point's correction
+
+
 def quantize_weights(
-    w: np.ndarray, axis: int, policy: QuantPolicy
+    w: np.ndarray,
+    axis: int,
+    policy: QuantPolicy,
+    bias: np.ndarray | None = None,
+    input_scale: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(w_q int8, scales float64 per output channel)`` for a float weight whose output
-    channels lie along ``axis`` (per-tensor policies repeat one scale)."""
+    channels lie along ``axis`` (per-tensor policies repeat one scale).
+
+    With the ``bias`` and the input's scale, a channel's scale is at least what keeps its bias
+    within ±2^30 accumulator units (``|b_c| / (s_x · 2^30)``): a channel of near-zero weights
+    under a real bias (PP-OCR's detector has them) would otherwise overflow its int32 bias, and
+    its products are near zero at either scale."""
     moved = np.moveaxis(w.astype(np.float64), axis, 0).reshape(w.shape[axis], -1)
     amax = np.abs(moved).max(axis=1)
     if policy.weight_granularity == "per-tensor":
         amax = np.full_like(amax, amax.max())
     scales = np.where(amax > 0, amax / policy.weight_max, 1.0)
+    if bias is not None and input_scale is not None:
+        floor = np.abs(bias.astype(np.float64).reshape(-1)) / (input_scale * _BIAS_UNITS)
+        scales = np.maximum(
+            scales, floor.max() if policy.weight_granularity == "per-tensor" else floor
+        )
     if policy.power_of_two:
         scales = _power_of_two_up(scales)
     shape = [1] * w.ndim

@@ -81,7 +81,10 @@ class QuantizedModel:
     def _region_json(self, region: Region) -> dict:
         doc = region.to_json()
         fr = region.float_region
-        _, scales = quantize_weights(fr.weight, fr.channel_axis, self.plugin.policy)
+        x_scale = region.input.scale if region.input is not None else None
+        _, scales = quantize_weights(
+            fr.weight, fr.channel_axis, self.plugin.policy, fr.bias, x_scale
+        )
         doc["weight"] = {"dtype": "int8", "axis": fr.channel_axis, "scale": scales.tolist()}
         return doc
 

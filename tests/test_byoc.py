@@ -27,9 +27,11 @@ from byoc_plugins.policy import (
     FIXED_POINT,
     FLOAT,
     REQUANTIZE,
+    ActivationQ,
     QuantPolicy,
     fixed_point,
     float_requantize_reference,
+    int32_bias,
     quantize_weights,
     requantize_reference,
 )
@@ -514,3 +516,22 @@ def test_cli_build_errors_are_one_line_exit_2(tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "art").exists()
+
+
+def test_channel_of_near_zero_weights_keeps_its_bias_in_int32():
+    """PP-OCR's detector has a conv channel with weights ~1e-9 under a bias of 0.37: at
+    ``max|W_c| / 127`` its bias needs ~10^12 accumulator units. The channel's scale is raised
+    until the bias fits, and the bias still dequantizes to itself."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(4, 3, 3, 3))
+    w[2] *= 1e-9
+    bias = np.array([0.1, -0.2, 0.369064, 0.0])
+    x = ActivationQ("x", scale=0.0120177, zero_point=0, dtype="int8")
+    with pytest.raises(RangeprofError, match="does not fit int32"):
+        wq, scales = quantize_weights(w, 0, POLICY)
+        int32_bias(bias, wq, 0, x, scales)
+    wq, scales = quantize_weights(w, 0, POLICY, bias, x.scale)
+    q = int32_bias(bias, wq, 0, x, scales)
+    assert np.abs(q).max() <= 2**30
+    assert np.allclose(q * x.scale * scales, bias, atol=x.scale * scales.max())
+    assert np.array_equal(scales[[0, 1, 3]], quantize_weights(w, 0, POLICY)[1][[0, 1, 3]])

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-from conformance import CLEAN, CRASH, PASS, WRONG, generate_cases, run_cases, summarize
+from conformance import (
+    CLEAN,
+    CRASH,
+    EXPECTED,
+    PASS,
+    WRONG,
+    generate_cases,
+    run_cases,
+    summarize,
+)
 
 pytestmark = pytest.mark.conformance
-
-EXPECTED = Path(__file__).with_name("conformance_expected.json")
 
 
 @pytest.fixture(scope="module")
