@@ -171,14 +171,17 @@ def run_case(case: Case, work: Path) -> Outcome:
         expected = _read_values(data_dir, "output", model.graph.output)
         # profile_model loads, imports and tracks the stages as `rangeprof inspect` does
         # (profiler.tracking.track), then compiles and runs: one call covers both commands.
-        named = load_model(model_path).model.graph  # nodes named as profiled
-        data = work / "inputs.npz"
         fed = {k: v for k, v in inputs.items() if v is not None}
+        # the shapes of the reference inputs, as `--input-shape` gives them (symbolic dims)
+        shapes = {k: v.shape for k, v in fed.items() if all(d > 0 for d in v.shape)}
+        named = load_model(model_path, shapes).model.graph  # nodes named as profiled
+        data = work / "inputs.npz"
         np.savez(data, **{f"a{i}": v for i, v in enumerate(fed.values())})
         spec = f"{data}:{','.join(f'a{i}' for i in range(len(fed)))}" if fed else "random"
         doc = profile_model(
             model_path,
             spec,
+            input_shapes=shapes,
             options=ProfileOptions(bins=64, constant_inputs=tuple(fed)),
         )
         problems = _compare(doc, _profiled(doc, named), expected, case)
