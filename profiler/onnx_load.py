@@ -181,7 +181,7 @@ def _load(
     _check_element_types(model, source)
     dtypes = {vi.name: _dtype(vi, source) for vi in inputs}
     _name_nodes(model.graph)
-    folded, fates = _fold(model)
+    folded, fates = _fold(_expanded(model, opset))
     return LoadedModel(
         name=name,
         sha256=hashlib.sha256(data).hexdigest(),
@@ -191,6 +191,14 @@ def _load(
         opset=opset,
         fates=fates,
     )
+
+
+def _expanded(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """Operators the importer cannot convert, as their ONNX function bodies (profiler.expand)."""
+    from profiler.converters import converts
+    from profiler.expand import expand_functions
+
+    return expand_functions(model, opset, lambda node: node.op_type == "Constant" or converts(node))
 
 
 def _line(err: BaseException) -> str:

@@ -28,3 +28,16 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "PRelu": PRelu,
     "RMSNormalization": RMSNormalization,
 }
+
+
+def converts(node) -> bool:
+    """Whether the importer converts ``node`` itself: by a converter of ours or of TVM, except
+    for operators TVM converts only in part (:data:`profiler.expand.PARTIAL`), which are better
+    imported as their ONNX function bodies."""
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    from profiler.expand import PARTIAL
+
+    if node.op_type in PARTIAL:
+        return False
+    return node.op_type in CONVERTERS or node.op_type in onnx_frontend._get_convert_map()
