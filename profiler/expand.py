@@ -83,7 +83,10 @@ def _expand_once(
         if node.name not in {t.name for t in targets}:
             continue
         body = _body(node, opset, types)
-        if body is None:
+        # ONNX's inliner takes bodies written against the model's own opset only.
+        if body is None or any(
+            o.domain in ("", "ai.onnx") and o.version != opset for o in body.opset_import
+        ):
             continue
         for k, inner in enumerate(body.node):
             inner.name = f"{node.name}/{inner.op_type}_{k}"
