@@ -372,6 +372,12 @@ def _npy(path: Path, inputs: Sequence[InputSpec]) -> tuple[int, dict[str, Reader
     return count, {inp.name: read}
 
 
+def _whole(one_sample: Reader) -> Reader:
+    """A constant input's reader from the reader of its per-sample view
+    (:meth:`InputSpec.as_one_sample`): the one sample is the whole array."""
+    return _constant_reader(lambda: np.asarray(next(one_sample(1, 1))[0]))
+
+
 def _constant_reader(load: Callable[[], np.ndarray]) -> Reader:
     """A constant input's reader: the array ``load`` reads, once, for every batch."""
 
@@ -450,9 +456,7 @@ def _choose_keys(
 def _npz_reader(path: Path, member: str, what: str, dtype: np.dtype, inp: InputSpec) -> Reader:
     sample_bytes = dtype.itemsize * math.prod(inp.sample_shape)
     if inp.constant:
-        # The whole array is the one sample of a per-sample view of it.
-        whole = _npz_reader(path, member, what, dtype, inp.as_one_sample())
-        return _constant_reader(lambda: np.asarray(next(whole(1, 1))[0]))
+        return _whole(_npz_reader(path, member, what, dtype, inp.as_one_sample()))
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         with zipfile.ZipFile(path) as archive, archive.open(member) as f:
@@ -488,8 +492,7 @@ def _random(inputs: Sequence[InputSpec], seed: int) -> dict[str, Reader]:
 
 def _random_reader(inp: InputSpec, kind: str, seed: np.random.SeedSequence) -> Reader:
     if inp.constant:
-        whole = _random_reader(inp.as_one_sample(), kind, seed)
-        return _constant_reader(lambda: np.asarray(next(whole(1, 1))[0]))
+        return _whole(_random_reader(inp.as_one_sample(), kind, seed))
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         rng = np.random.default_rng(seed)

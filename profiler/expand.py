@@ -59,11 +59,11 @@ def expand_functions(
 def _expand_once(
     model: onnx.ModelProto, opset: int, convertible: Callable[[onnx.NodeProto], bool]
 ) -> onnx.ModelProto:
-    targets = [
-        node
+    targets = {
+        node.name
         for node in model.graph.node
         if node.domain in ("", "ai.onnx") and not convertible(node)
-    ]
+    }
     if not targets:
         return model
     try:
@@ -80,7 +80,7 @@ def _expand_once(
     expanded.CopyFrom(model)
     selected = []
     for index, node in enumerate(expanded.graph.node):
-        if node.name not in {t.name for t in targets}:
+        if node.name not in targets:
             continue
         body = _body(node, opset, types)
         # ONNX's inliner takes bodies written against the model's own opset only.

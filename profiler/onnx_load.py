@@ -447,7 +447,7 @@ def _fold(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
         used |= _node_inputs(node)
     del folded.graph.node[:]
     values = [_folded_value(n) for n in created if n.output[0] in used]
-    _correct_folds(model, folded, kept, values)
+    _correct_folds(model, original, folded, kept, values)
     folded.graph.node.extend(n for n in kept if n.op_type != "Constant" or used & set(n.output))
     folded.graph.initializer.extend(values)
     removed = _fold_shape_inputs(folded)
@@ -456,13 +456,14 @@ def _fold(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
 
 def _correct_folds(
     model: onnx.ModelProto,
+    original: dict[str, onnx.NodeProto],
     folded: onnx.ModelProto,
     kept: list[onnx.NodeProto],
     values: list[onnx.TensorProto],
 ) -> None:
     """Every value onnxsim folded (new initializers of ``folded`` and ``values``) set to what
-    onnxruntime computes for the tensor it replaces, where the two differ."""
-    original = {node.name: node for node in model.graph.node}
+    onnxruntime computes for the tensor it replaces in ``model`` (whose nodes by name are
+    ``original``), where the two differ."""
     # onnxsim may name a folded value anew: the tensor it replaces is the kept node's input
     # in the same position of the original node.
     replaced = {}
