@@ -248,7 +248,9 @@ class ModelProfiler:
     def __init__(self, builder: _Builder, prepared: _Prepared):
         self.prepared = prepared
         self.programs = _Programs(builder, prepared)
-        self.batch_size = _batch_of(prepared.model, builder.constant)
+        inputs = model_inputs(prepared.model, builder.constant)
+        self.batch_size = sample_batch(inputs)
+        self.per_sample = [i.name for i in inputs if not i.constant]  # the sample axis is theirs
         self.bins = builder.bins
 
     @classmethod
@@ -279,13 +281,8 @@ class ModelProfiler:
         input_ids = {r.source_tensor: r.profile_id for r in layers if r.kind == "input"}
         totals: dict[str, Totals] = {}  # the observed tensors, merged run after run
         done = 0
-        per_sample = [
-            i.name
-            for i in model_inputs(self.prepared.model, self.programs.builder.constant)
-            if not i.constant
-        ]
         for batch in batches:
-            size = batch[per_sample[0]].shape[0] if per_sample else 1
+            size = batch[self.per_sample[0]].shape[0] if self.per_sample else 1
             self.programs.get(size).run_into(batch, totals)
             for name, array in batch.items():
                 if np.issubdtype(array.dtype, np.floating):

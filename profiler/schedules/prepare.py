@@ -119,7 +119,12 @@ class _Prepare(ConstantFolder):
             return call
         # The operator keeps the call's span: the Clip's profileIDs stay on its binding.
         new = op(data, relax.const(bound_value, str(bound.ty.dtype)))
-        return relax.Call(new.op, new.args, new.attrs, new.ty_args, call.span)
+        return _spanned(new, call.span)
+
+
+def _spanned(new: relax.Call, span) -> relax.Call:
+    """``new`` with the span (the profileIDs) of the call it replaces."""
+    return relax.Call(new.op, new.args, new.attrs, new.ty_args, span)
 
 
 _HYPERBOLIC = {"relax.cosh": relax.op.add, "relax.sinh": relax.op.subtract}
@@ -132,8 +137,7 @@ def _hyperbolic(call: relax.Call) -> relax.Call:
     parts = [with_ids(relax.op.exp(v), ids) for v in (x, with_ids(relax.op.negative(x), ids))]
     half = relax.const(0.5, str(x.ty.dtype))
     total = with_ids(_HYPERBOLIC[call.op.name](*parts), ids)
-    product = relax.op.multiply(total, half)
-    return relax.Call(product.op, product.args, product.attrs, product.ty_args, call.span)
+    return _spanned(relax.op.multiply(total, half), call.span)
 
 
 def _stack_as_concat(call: relax.Call) -> relax.Call:
@@ -144,13 +148,13 @@ def _stack_as_concat(call: relax.Call) -> relax.Call:
     axis = int(call.attrs.axis or 0) % (fields[0].ty.ndim + 1)
     ids = ids_of(call)
     parts = [with_ids(relax.op.expand_dims(x, axis), ids) for x in fields]
-    concat = relax.op.concat(parts, axis)
-    return relax.Call(concat.op, concat.args, concat.attrs, concat.ty_args, call.span)
+    return _spanned(relax.op.concat(parts, axis), call.span)
 
 
 @tvm.transform.module_pass(opt_level=0, name="PrepareForSchedules")
 def prepare(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Numpy constant folding, full-rank binary constants and ``Clip`` as operators."""
+    """Numpy constant folding, full-rank binary constants, ``Clip`` as operators, and the
+    rewrites of operators TVM cannot lay out or lower (stack, dropout, cosh, sinh)."""
     mod = mod.clone()  # the caller's module stays as it was
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
