@@ -101,8 +101,11 @@ def quantize_model(
     input_shapes: dict | None = None,
     fp32_fallback: bool = False,
 ) -> QuantizedModel:
-    """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``."""
-    imported = import_onnx(load_model(path, input_shapes))
+    """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``.
+
+    A QDQ model is built as the FP32 model beneath its pairs (the plugin quantizes it itself;
+    ``rangeprof import-qparams`` gives its pairs' scales as ``qparams``)."""
+    imported = import_onnx(load_model(path, input_shapes, dequantize=True))
     partitioned = partition(_FOLD(imported.mod), plugin.patterns())
     unplanned = QuantizedModel(imported, plugin, partitioned, [], qparams)
     return unplanned.replanned(qparams, fp32_fallback)

@@ -62,7 +62,7 @@ import numpy as np
 from .errors import RangeprofError
 from .statistics import Histogram, TensorStats, canonical_exponent
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 METHODS = ("max", "percentile", "entropy", "mse")
 SCHEMES = ("sym", "asym")
 GRANULARITIES = ("per-tensor", "per-channel")

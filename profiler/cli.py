@@ -47,6 +47,20 @@ def _fail(err: RangeprofError) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def _check_out(out: Path) -> None:
+    """Before the work: the folder a result file goes to must exist."""
+    if not out.parent.is_dir():
+        raise RangeprofError(f"{out}: folder {out.parent} does not exist")
+
+
+def _write(out: Path, text: str) -> None:
+    """Write a command's result file; a path that cannot be written is a one-line error."""
+    try:
+        out.write_text(text)
+    except OSError as err:
+        raise _fail(RangeprofError(f"{out}: cannot write: {err.strerror}")) from None
+
+
 def _shapes(values: list[str] | None) -> dict[str, tuple[int, ...]]:
     from .onnx_load import parse_input_shape
 
@@ -162,6 +176,7 @@ def profile(
 
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     try:
+        _check_out(out)
         if bins < 0:
             raise RangeprofError(f"--bins {bins} is negative")
         options = ProfileOptions(
@@ -198,7 +213,7 @@ def profile(
             )
     except RangeprofError as err:
         raise _fail(err) from None
-    out.write_text(json.dumps(doc, indent=1))
+    _write(out, json.dumps(doc, indent=1))
     run = doc["run"]
     _err.print(
         f"profiled {len(doc['tensors'])} tensors on {run['samples']} samples "
@@ -244,12 +259,36 @@ def calibrate(
     from .profile import load_profile
 
     try:
+        _check_out(out)
         options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
         doc = derive(load_profile(profile_path), options)
     except RangeprofError as err:
         raise _fail(err) from None
-    out.write_text(json.dumps(doc, indent=1))
+    _write(out, json.dumps(doc, indent=1))
     _err.print(f"{len(doc['qparams'])} tensors calibrated ({method}) -> {out}", highlight=False)
+
+
+@app.command("import-qparams")
+def import_qparams(
+    model: Annotated[Path, typer.Argument(help="QDQ ONNX model file.")],
+    out: Annotated[Path, typer.Option(help="Where to write the QPARAMS JSON.")],
+    input_shape: InputShapes = None,
+) -> None:
+    """Read a QDQ model's embedded scales as a QPARAMS document, by profileID, for `build`."""
+    from .imported_qparams import import_qparams as read
+
+    try:
+        _check_out(out)
+        doc = read(model, _shapes(input_shape))
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _write(out, json.dumps(doc, indent=1))
+    kinds = [e["kind"] for e in doc["qparams"]]
+    _err.print(
+        f"{len(kinds) - kinds.count('weight')} tensors and {kinds.count('weight')} weights "
+        f"({doc['options']['scheme']} {doc['options']['dtype']}) -> {out}",
+        highlight=False,
+    )
 
 
 @app.command()
@@ -269,11 +308,12 @@ def export(
     from .profile import load_profile
 
     try:
+        _check_out(out)
         options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
         text = render(load_profile(profile_path), fmt, options)
     except RangeprofError as err:
         raise _fail(err) from None
-    out.write_text(text)
+    _write(out, text)
     _err.print(f"{fmt} export -> {out}", highlight=False)
 
 

@@ -57,6 +57,8 @@ from profiler.errors import (
     UnsafeExternalDataError,
     UnsupportedTypeError,
 )
+from profiler.qdq import EmbeddedQ
+from profiler.qdq import dequantize as dequantized
 
 # onnx.helper writes its newest IR version (14 with onnx 1.23), which the onnxruntime inside
 # onnxsim may not read yet; folding runs at this version at most, which onnxruntime >= 1.20 reads.
@@ -97,6 +99,8 @@ class LoadedModel(ModelFacts):
     """A model ready for the Relax importer."""
 
     model: onnx.ModelProto
+    # The pairs taken out of a QDQ model loaded with ``dequantize=True`` (profiler.qdq).
+    embedded: tuple[EmbeddedQ, ...] = ()
 
     @property
     def facts(self) -> ModelFacts:
@@ -121,9 +125,16 @@ def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def load_model(
-    path: str | os.PathLike[str], input_shapes: Mapping[str, Sequence[int]] | None = None
+    path: str | os.PathLike[str],
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    dequantize: bool = False,
 ) -> LoadedModel:
-    """Load the ONNX file at ``path``; external data is read from its folder, and only from it."""
+    """Load the ONNX file at ``path``; external data is read from its folder, and only from it.
+
+    With ``dequantize``, a QDQ model loads as the FP32 model beneath its QuantizeLinear /
+    DequantizeLinear pairs, the pairs' parameters in ``embedded`` (:mod:`profiler.qdq`): what an
+    INT8 build compiles, its plugin quantizing the FP32 graph itself."""
     path = Path(path)
     if not path.exists():
         raise InvalidModelError(f"{path}: no such file")
@@ -135,7 +146,7 @@ def load_model(
         data = path.read_bytes()
     except OSError as err:
         raise InvalidModelError(f"{path}: cannot read the file: {err.strerror}") from err
-    return _load(data, path.stem, str(path), path.parent, input_shapes)
+    return _load(data, path.stem, str(path), path.parent, input_shapes, dequantize)
 
 
 def load_model_bytes(
@@ -144,12 +155,15 @@ def load_model_bytes(
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     *,
     base_dir: str | os.PathLike[str] | None = None,
+    dequantize: bool = False,
 ) -> LoadedModel:
     """Load an ONNX model from its bytes (an upload); ``name`` names it in messages and results.
 
     External data is read from ``base_dir``; without one the model must keep all data inline.
+    ``dequantize`` as for :func:`load_model`.
     """
-    return _load(data, name, name, None if base_dir is None else Path(base_dir), input_shapes)
+    base = None if base_dir is None else Path(base_dir)
+    return _load(data, name, name, base, input_shapes, dequantize)
 
 
 def _load(
@@ -158,6 +172,7 @@ def _load(
     source: str,
     base_dir: Path | None,
     input_shapes: Mapping[str, Sequence[int]] | None,
+    dequantize: bool = False,
 ) -> LoadedModel:
     model = _parse(data, source)
     if _check_external_data(model, base_dir, source):
@@ -181,6 +196,10 @@ def _load(
     _check_element_types(model, source)
     dtypes = {vi.name: _dtype(vi, source) for vi in inputs}
     _name_nodes(model.graph)
+    embedded, removed = (), {}
+    if dequantize:
+        stripped = dequantized(model)
+        model, embedded, removed = stripped.model, stripped.embedded, stripped.fates
     folded, fates = _fold(_expanded(model, opset))
     return LoadedModel(
         name=name,
@@ -189,7 +208,8 @@ def _load(
         input_shapes=shapes,
         input_dtypes=dtypes,
         opset=opset,
-        fates=fates,
+        fates=removed | fates,
+        embedded=embedded,
     )
 
 
