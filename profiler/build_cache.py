@@ -22,7 +22,7 @@ import tvm
 from tvm import relax
 
 # Bump when the instrumented program, its sidecar or its statistics kernels change.
-PROGRAM_FORMAT = 5
+PROGRAM_FORMAT = 6
 
 
 @contextlib.contextmanager

@@ -91,7 +91,7 @@ class InputSpec:
 
 def model_inputs(model: ModelFacts, constant: Iterable[str] = ()) -> list[InputSpec]:
     """The inputs of a loaded model, in the model's order; ``constant`` names the inputs fed
-    whole in every run (scalars always are)."""
+    whole in every run (scalars and value inputs always are)."""
     constant = set(constant)
     unknown = sorted(constant - set(model.input_shapes))
     if unknown:
@@ -99,6 +99,7 @@ def model_inputs(model: ModelFacts, constant: Iterable[str] = ()) -> list[InputS
             f"no input named {', '.join(map(repr, unknown))} to feed as a constant; the model's "
             f"inputs are {', '.join(map(repr, model.input_shapes))}"
         )
+    constant |= set(model.value_inputs)
     return [
         InputSpec(name, shape, model.input_dtypes[name], name in constant or not shape)
         for name, shape in model.input_shapes.items()
@@ -202,10 +203,15 @@ class CalibrationData:
     num_samples: int
     batch_size: int
     readers: dict[str, Reader] = field(repr=False)  # by input name, in input order
+    value_inputs: tuple[str, ...] = ()  # the model's (profiler.onnx_load): bound, not fed
 
     @property
     def num_batches(self) -> int:
         return math.ceil(self.num_samples / self.batch_size)
+
+    def bound_values(self) -> dict[str, np.ndarray]:
+        """The value inputs' arrays, which the model is loaded with."""
+        return {name: next(self.readers[name](1, 1)) for name in self.value_inputs}
 
     def batches(self) -> Iterator[dict[str, np.ndarray]]:
         """One ``{input name: array}`` per batch; arrays are C-contiguous, of the input's dtype,

@@ -100,8 +100,9 @@ def plan_shards(num_samples: int, batch_size: int, shards: int) -> list[Shard]:
 class ShardProfiler:
     """A Ray actor's body: profiles shards of one model, compiled once per worker process."""
 
-    def __init__(self, name: str, input_shapes: dict | None, options: ProfileOptions):
+    def __init__(self, name: str, input_shapes: dict | None, options: ProfileOptions, bound: dict):
         self.name, self.input_shapes, self.options = name, input_shapes, options
+        self.bound = bound  # the value inputs' values
         self.profiler: ModelProfiler | None = None  # compiled on the first shard, then kept
 
     def profile(
@@ -121,6 +122,7 @@ class ShardProfiler:
                 _local_copy(ray.get(model[0]), self.name),
                 input_shapes=self.input_shapes,
                 options=self.options,
+                bound=self.bound,
             )
         profiler = self.profiler
         size = profiler.batch_size
@@ -340,7 +342,8 @@ def profile_distributed(
             runtime_env={"env_vars": {"TVM_NUM_THREADS": str(cpus)}},
         )
         model_ref = ray.put(model)  # once; every worker reads it on its first shard
-        actors = [worker.remote(path.name, input_shapes, options) for _ in range(workers)]
+        bound = source.bound_values()
+        actors = [worker.remote(path.name, input_shapes, options, bound) for _ in range(workers)]
         prepared = time.perf_counter()
         try:
             results = _dispatch(ray, actors, plan, source, data, model_ref, retries, progress)

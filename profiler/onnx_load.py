@@ -14,6 +14,13 @@ Node names
 
     Nodes inside subgraphs (``If``/``Loop`` bodies) keep their names.
 
+Value inputs
+    A graph input whose value reaches a shape or setting input (a ``Reshape`` target, a
+    ``Resize``'s sizes, ``TopK``'s k, a ``Reduce``'s axes: :data:`_SHAPE_INPUTS`) decides the
+    shapes the program computes with, so no single compiled program serves every value. Such
+    inputs are listed as ``value_inputs``; profiling feeds them whole (constants) and loads the
+    model with the values the data gives bound as initializers (``bound``), then folds.
+
 Folding and fates
     With the input shapes fixed, onnxsim folds what the Relax importer needs static: values
     computed from input shapes (a ``Shape`` chain into a ``Reshape`` target), integer arithmetic
@@ -42,7 +49,7 @@ import operator
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
 import numpy as np
@@ -75,6 +82,10 @@ class ModelFacts:
     input_dtypes: dict[str, str]  # numpy dtype names
     opset: int  # of the default ONNX domain
     fates: dict[str, str]  # removed node name -> fate (see the module docstring)
+    # Inputs whose values decide shapes or settings (see "Value inputs" in the module docstring),
+    # and the values the model was loaded with (``bound``): its program takes the others.
+    value_inputs: tuple[str, ...] = field(default=(), kw_only=True)
+    bound: dict[str, np.ndarray] = field(default_factory=dict, kw_only=True)
 
     def to_json(self) -> dict:
         return {
@@ -84,14 +95,29 @@ class ModelFacts:
             "input_dtypes": self.input_dtypes,
             "opset": self.opset,
             "fates": self.fates,
+            "value_inputs": list(self.value_inputs),
+            "bound": {k: v.tolist() for k, v in self.bound.items()},
         }
 
     @classmethod
     def from_json(cls, doc: dict) -> ModelFacts:
         shapes = {k: tuple(v) for k, v in doc["input_shapes"].items()}
+        dtypes = doc["input_dtypes"]
         return cls(
-            doc["name"], doc["sha256"], shapes, doc["input_dtypes"], doc["opset"], doc["fates"]
+            doc["name"],
+            doc["sha256"],
+            shapes,
+            dtypes,
+            doc["opset"],
+            doc["fates"],
+            value_inputs=tuple(doc["value_inputs"]),
+            bound={k: np.asarray(v, dtypes[k]) for k, v in doc["bound"].items()},
         )
+
+    @property
+    def program_inputs(self) -> list[str]:
+        """The inputs the compiled program takes: all but the bound ones."""
+        return [name for name in self.input_shapes if name not in self.bound]
 
 
 @dataclass(frozen=True)
@@ -105,7 +131,14 @@ class LoadedModel(ModelFacts):
     @property
     def facts(self) -> ModelFacts:
         return ModelFacts(
-            self.name, self.sha256, self.input_shapes, self.input_dtypes, self.opset, self.fates
+            self.name,
+            self.sha256,
+            self.input_shapes,
+            self.input_dtypes,
+            self.opset,
+            self.fates,
+            value_inputs=self.value_inputs,
+            bound=self.bound,
         )
 
 
@@ -129,8 +162,11 @@ def load_model(
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     *,
     dequantize: bool = False,
+    bound: Mapping[str, np.ndarray] | None = None,
 ) -> LoadedModel:
     """Load the ONNX file at ``path``; external data is read from its folder, and only from it.
+
+    ``bound`` gives value inputs their values: the model is loaded specialised to them.
 
     With ``dequantize``, a QDQ model loads as the FP32 model beneath its QuantizeLinear /
     DequantizeLinear pairs, the pairs' parameters in ``embedded`` (:mod:`profiler.qdq`): what an
@@ -146,7 +182,7 @@ def load_model(
         data = path.read_bytes()
     except OSError as err:
         raise InvalidModelError(f"{path}: cannot read the file: {err.strerror}") from err
-    return _load(data, path.stem, str(path), path.parent, input_shapes, dequantize)
+    return _load(data, path.stem, str(path), path.parent, input_shapes, dequantize, bound)
 
 
 def load_model_bytes(
@@ -173,6 +209,7 @@ def _load(
     base_dir: Path | None,
     input_shapes: Mapping[str, Sequence[int]] | None,
     dequantize: bool = False,
+    bound: Mapping[str, np.ndarray] | None = None,
 ) -> LoadedModel:
     model = _parse(data, source)
     if _check_external_data(model, base_dir, source):
@@ -200,7 +237,11 @@ def _load(
     if dequantize:
         stripped = dequantized(model)
         model, embedded, removed = stripped.model, stripped.embedded, stripped.fates
-    folded, fates = _fold(_expanded(model, opset))
+    expanded = _expanded(model, opset)
+    _constant_values(expanded.graph)
+    value_inputs = _value_inputs(expanded.graph)
+    bound = _bind(expanded.graph, dict(bound or {}), value_inputs, source)
+    folded, fates = _fold(expanded)
     return LoadedModel(
         name=name,
         sha256=hashlib.sha256(data).hexdigest(),
@@ -210,6 +251,8 @@ def _load(
         opset=opset,
         fates=removed | fates,
         embedded=embedded,
+        value_inputs=value_inputs,
+        bound=bound,
     )
 
 
@@ -219,6 +262,67 @@ def _expanded(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     from profiler.expand import expand_functions
 
     return expand_functions(model, opset, lambda node: node.op_type == "Constant" or converts(node))
+
+
+# Constant's scalar and list forms, as the tensor its ``value`` form holds (TVM reads ``value``).
+_CONSTANT_FORMS = {
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
+}
+
+
+def _constant_values(graph: onnx.GraphProto) -> None:
+    """Every ``Constant`` given as ``value_float(s)`` / ``value_int(s)`` written as ``value``
+    (function bodies write their attribute constants that way)."""
+    for node in graph.node:
+        if node.op_type != "Constant" or len(node.attribute) != 1:
+            continue
+        attr = node.attribute[0]
+        dtype = _CONSTANT_FORMS.get(attr.name)
+        if dtype is None:
+            continue
+        value = np.asarray(onnx.helper.get_attribute_value(attr), dtype=dtype)
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
+
+
+def _value_inputs(graph: onnx.GraphProto) -> tuple[str, ...]:
+    """The graph inputs whose values reach a shape or setting input (:data:`_SHAPE_INPUTS`)
+    through anything but ``Shape`` / ``Size``, in input order."""
+    wanted = {
+        node.input[k]
+        for node in graph.node
+        for k in _SHAPE_INPUTS.get(node.op_type, ())
+        if k < len(node.input)
+    }
+    for node in reversed(graph.node):
+        if node.op_type not in _SHAPE_OF and wanted & set(node.output):
+            wanted |= _node_inputs(node)
+    return tuple(vi.name for vi in _real_inputs(graph) if vi.name in wanted)
+
+
+def _bind(
+    graph: onnx.GraphProto,
+    values: dict[str, np.ndarray],
+    value_inputs: tuple[str, ...],
+    source: str,
+) -> dict[str, np.ndarray]:
+    """Value inputs given in ``values`` become initializers of ``graph``."""
+    unknown = sorted(set(values) - set(value_inputs))
+    if unknown:
+        raise InputShapeError(
+            f"{source}: {', '.join(map(repr, unknown))} decides no shape or setting; only "
+            f"value inputs are bound ({', '.join(map(repr, value_inputs)) or 'none'})"
+        )
+    bound = {}
+    for vi in [vi for vi in graph.input if vi.name in values]:
+        value = np.asarray(values[vi.name], _dtype(vi, source))
+        graph.input.remove(vi)
+        graph.initializer.append(numpy_helper.from_array(value, vi.name))
+        bound[vi.name] = value
+    return bound
 
 
 def _line(err: BaseException) -> str:
@@ -303,13 +407,14 @@ def _real_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
 
 
 def _dims(vi: onnx.ValueInfoProto, source: str) -> list[int | None] | None:
-    """An input's dims, ``None`` where unknown; ``None`` for an unknown rank."""
+    """An input's dims, ``None`` where unknown (a 0 is a zero-size dim, as ONNX defines it;
+    exporters write -1 for unknown); ``None`` for an unknown rank."""
     if vi.type.WhichOneof("value") != "tensor_type":
         raise InvalidModelError(f"{source}: input {vi.name!r} is not a tensor")
     if not vi.type.tensor_type.HasField("shape"):
         return None
     return [
-        d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+        d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None
         for d in vi.type.tensor_type.shape.dim
     ]
 
@@ -561,7 +666,11 @@ _SHAPE_INPUTS = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Range": (0, 1, 2),
     "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "Upsample": (1,),
     "OneHot": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "TopK": (1,), "Split": (1,),
-    "ReduceMean": (1,), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+    "CumSum": (1,), "AffineGrid": (1,), "CenterCropPad": (1,), "Col2Im": (1, 2),
+    "SplitToSequence": (1,),
+    **{f"Reduce{kind}": (1,) for kind in (
+        "Mean", "Sum", "Max", "Min", "L1", "L2", "LogSum", "LogSumExp", "Prod", "SumSquare"
+    )},
 }  # fmt: skip
 # Operators whose outputs depend on no input value: their own shapes, or randomness (never folded).
 _SHAPE_OF = frozenset({"Shape", "Size"})

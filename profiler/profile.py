@@ -69,11 +69,20 @@ def build_document(
             "sha256": model.sha256,
             "opset": model.opset,
             "inputs": {k: list(v) for k, v in model.input_shapes.items()},
+            **(
+                {"bound_inputs": {k: v.tolist() for k, v in model.bound.items()}}
+                if model.bound
+                else {}
+            ),
         },
         "run": run,
         "tensors": tensors,
         "lineage": {"fates": dict(sorted(fates.items())), "stages": stages},
     }
+
+
+def _listed(arrays: dict) -> dict:
+    return {k: v.tolist() for k, v in arrays.items()}
 
 
 def validate(doc: dict, source: str = "profile") -> dict:

@@ -89,6 +89,13 @@ class _Builder:
         self.path, self.bins, self.constant, self.cache = path, bins, constant, cache
         self.digest = _file_digest(path)
         self.target = host_target()
+        self.bound: dict[str, np.ndarray] = {}  # the value inputs' values, once the data gives them
+
+    def bind(self, values: dict[str, np.ndarray]) -> bool:
+        """Loads the model with these values of its value inputs from now on; whether there
+        were any (requests made before were for the unspecialised model)."""
+        self.bound = dict(values)
+        return bool(self.bound)
 
     def request(self, input_shapes: dict | None, batch_size: int | None) -> _Request:
         """The model facts for a request, from the cache or by loading the model: enough to
@@ -96,13 +103,20 @@ class _Builder:
         key = None
         if self.digest is not None:
             shapes = dict(input_shapes or {})
+            bound = {k: [v.dtype.str, v.tolist()] for k, v in sorted(self.bound.items())}
             key = cache_key(
-                "profile", self.digest, shapes, self.target, bins=self.bins, batch=batch_size
+                "profile",
+                self.digest,
+                shapes,
+                self.target,
+                bins=self.bins,
+                batch=batch_size,
+                bound=bound,
             )
             hit = self.cache.load(key)
             if hit is not None:
                 return _Request(key, ModelFacts.from_json(hit[1]["model"]), hit, None)
-        loaded = _load_for_batch(self.path, input_shapes, batch_size, self.constant)
+        loaded = _load_for_batch(self.path, input_shapes, batch_size, self.constant, self.bound)
         return _Request(key, loaded.facts, None, loaded)
 
     def prepare(self, request: _Request) -> _Prepared:
@@ -115,7 +129,7 @@ class _Builder:
         model = ModelFacts.from_json(side["model"])
         observed = [Observed(**o) for o in side["observed"]]
         static = {k: TensorStats.from_json(v) for k, v in side["static"].items()}
-        program = ProfilingProgram(vm, list(model.input_shapes), observed, static, self.bins or 0)
+        program = ProfilingProgram(vm, model.program_inputs, observed, static, self.bins or 0)
         layers = [LayerRecord(**layer) for layer in side["layers"]]
         return _Prepared(model, program, layers, side["stages"], cached=True)
 
@@ -123,7 +137,7 @@ class _Builder:
         tracked = track(loaded)
         imported = tracked.imported
         stages = [s.report.to_json() for s in tracked.stages]
-        names = list(loaded.input_shapes)
+        names = loaded.program_inputs
         load = None if key is None else functools.partial(self.cache.store_library, key)
         _, program = compile_program(
             imported.mod, imported.layers, names, self.bins, self.target, load
@@ -156,12 +170,12 @@ class _Programs:
 
     def __init__(self, builder: _Builder, first: _Prepared):
         self.builder = builder
-        self.shapes = dict(first.model.input_shapes)
+        self.model = first.model
         self.by_batch = {_batch_of(first.model, builder.constant): first.program}
 
     def get(self, batch: int) -> ProfilingProgram:
         if batch not in self.by_batch:
-            shapes = _with_batch(self.shapes, batch, self.builder.constant)
+            shapes = _with_batch(self.model, batch, self.builder.constant)
             try:
                 request = self.builder.request(shapes, None)
             except InputShapeError as err:
@@ -177,22 +191,27 @@ def _batch_of(model: ModelFacts, constant: frozenset[str]) -> int:
     return sample_batch(model_inputs(model, constant))
 
 
-def _with_batch(shapes: dict, batch: int, constant: frozenset[str]) -> dict:
+def _with_batch(model: ModelFacts, batch: int, constant: frozenset[str]) -> dict:
     """The input shapes for another batch: per-sample inputs change dim 0, constants stay."""
     return {
-        name: dims if name in constant or not dims else (batch, *dims[1:])
-        for name, dims in shapes.items()
+        i.name: i.shape if i.constant else (batch, *i.shape[1:])
+        for i in model_inputs(model, constant)
     }
 
 
 def _load_for_batch(
-    path: Path, input_shapes: dict | None, batch_size: int | None, constant: frozenset[str]
+    path: Path,
+    input_shapes: dict | None,
+    batch_size: int | None,
+    constant: frozenset[str],
+    bound: dict[str, np.ndarray],
 ) -> LoadedModel:
-    loaded = load_model(path, input_shapes)
+    loaded = load_model(path, input_shapes, bound=bound)
     if batch_size is None or _batch_of(loaded, constant) == batch_size:
         return loaded
+    shapes = _with_batch(loaded, batch_size, constant)
     try:
-        return load_model(path, _with_batch(loaded.input_shapes, batch_size, constant))
+        return load_model(path, shapes, bound=bound)
     except InputShapeError as err:
         raise InputShapeError(f"batch size {batch_size} does not fit the model: {err}") from None
 
@@ -261,9 +280,12 @@ class ModelProfiler:
         input_shapes: dict | None = None,
         options: ProfileOptions = ProfileOptions(),
         cache: BuildCache | None = None,
+        bound: dict[str, np.ndarray] | None = None,
     ) -> ModelProfiler:
-        """Loads and compiles the model for ``options`` (a build-cache hit compiles nothing)."""
+        """Loads and compiles the model for ``options`` (a build-cache hit compiles nothing),
+        with ``bound`` values of its value inputs (:meth:`CalibrationData.bound_values`)."""
         builder = _builder(path, options, cache)
+        builder.bind(bound or {})
         return cls(builder, builder.prepare(builder.request(input_shapes, options.batch_size)))
 
     def ready_for(self, batch: int) -> None:
@@ -285,7 +307,8 @@ class ModelProfiler:
             size = batch[self.per_sample[0]].shape[0] if self.per_sample else 1
             self.programs.get(size).run_into(batch, totals)
             for name, array in batch.items():
-                if np.issubdtype(array.dtype, np.floating):
+                # Bound value inputs are weights of the program (profiled as such).
+                if name in input_ids and np.issubdtype(array.dtype, np.floating):
                     record = TensorStats.observe(array, self.bins)
                     previous = stats.get(input_ids[name])
                     stats[input_ids[name]] = record if previous is None else previous.merge(record)
@@ -326,7 +349,7 @@ def _open(
     model: ModelFacts, data: str, options: ProfileOptions, preprocess: Preprocess | None
 ) -> CalibrationData:
     constant = frozenset(options.constant_inputs)
-    return open_data(
+    source = open_data(
         data,
         model_inputs(model, constant),
         batch_size=_batch_of(model, constant),
@@ -334,6 +357,7 @@ def _open(
         seed=options.seed,
         preprocess=preprocess,
     )
+    return replace(source, value_inputs=model.value_inputs)
 
 
 def open_calibration(
@@ -374,6 +398,8 @@ def profile_model(
     builder = _builder(path, options, cache)
     request = builder.request(input_shapes, options.batch_size)
     source = _open(request.model, data, options, preprocess)  # checked before compiling
+    if builder.bind(source.bound_values()):
+        request = builder.request(input_shapes, options.batch_size)
     profiler = ModelProfiler(builder, builder.prepare(request))
     if source.num_samples % source.batch_size:
         profiler.ready_for(source.num_samples % source.batch_size)

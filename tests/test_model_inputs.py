@@ -85,3 +85,66 @@ def test_constant_input_errors_are_one_line(tmp_path):
     _fails_cleanly(base, "different sample counts")
     np.savez(data, **{"0": x, "state.1": np.zeros((3, 4), np.float32), "scale": np.float32(1)})
     _fails_cleanly([*base, "--constant-input", "state.1"], "constant input 'state.1'")
+
+
+def _value_input_model(path):
+    """``top = TopK(x, k)``, ``z = Reshape(x, shape)``: ``k`` and ``shape`` are graph inputs
+    whose values decide output shapes."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("TopK", ["x", "k"], ["top", "idx"], name="topk", axis=1),
+            helper.make_node("Reshape", ["x", "shape"], ["z"], name="reshape"),
+        ],
+        "valued",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, [1]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+        ],
+        [
+            helper.make_tensor_value_info("top", TensorProto.FLOAT, [1, None]),
+            helper.make_tensor_value_info("idx", TensorProto.INT64, [1, None]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [None, None]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_value_inputs_are_bound_from_the_data(tmp_path):
+    """Inputs that decide shapes are fed whole without being named, and the program is built
+    for the values the data gives: another value, another program."""
+    model = _value_input_model(tmp_path / "m.onnx")
+    x = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
+    for k in (3, 6):
+        data = tmp_path / f"d{k}.npz"
+        np.savez(data, x=x, k=np.array([k], np.int64), shape=np.array([2, 4], np.int64))
+        out = tmp_path / f"p{k}.json"
+        result = runner.invoke(
+            app, ["profile", str(model), "--data", str(data), "--out", str(out), "--bins", "8"]
+        )
+        assert result.exit_code == 0, result.output
+        doc = json.loads(out.read_text())
+        assert doc["run"]["samples"] == 5
+        assert doc["model"]["bound_inputs"] == {"k": [k], "shape": [2, 4]}
+        tensors = {t["source_tensor"]: t for t in doc["tensors"]}
+        top = np.sort(x, axis=1)[:, ::-1][:, :k]
+        assert tensors["top"]["shape"] == [1, k]
+        assert tensors["top"]["min"] == float(top.min()) and tensors["top"]["max"] == x.max()
+        assert tensors["z"]["shape"] == [2, 4] and tensors["z"]["min"] == float(x.min())
+        assert "input:k" not in {t["profile_id"] for t in doc["tensors"]}
+
+
+def test_value_input_with_a_sample_axis_is_a_one_line_error(tmp_path):
+    model = _value_input_model(tmp_path / "m.onnx")
+    data = tmp_path / "d.npz"
+    x = np.zeros((5, 8), np.float32)
+    np.savez(data, x=x, k=np.full((5, 1), 3, np.int64), shape=np.array([2, 4], np.int64))
+    result = runner.invoke(
+        app, ["profile", str(model), "--data", str(data), "--out", str(tmp_path / "p.json")]
+    )
+    assert result.exit_code == 2
+    assert "'k'" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()

@@ -9,10 +9,12 @@ overrides a stock converter.
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from .arithmetic import Pow
+from .checked import ReduceMax, ReduceMin, Resize, Split, TopK
 from .normalization import (
     BatchNormalization,
     Dropout,
     LayerNormalization,
+    LpNormalization,
     PRelu,
     RMSNormalization,
 )
@@ -23,10 +25,16 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "Dropout": Dropout,
     "GRU": GRU,
     "LayerNormalization": LayerNormalization,
+    "LpNormalization": LpNormalization,
     "LSTM": LSTM,
     "Pow": Pow,
     "PRelu": PRelu,
+    "ReduceMax": ReduceMax,
+    "ReduceMin": ReduceMin,
+    "Resize": Resize,
     "RMSNormalization": RMSNormalization,
+    "Split": Split,
+    "TopK": TopK,
 }
 
 

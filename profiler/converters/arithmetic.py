@@ -1,20 +1,30 @@
 """Arithmetic where TVM's converters miss ONNX's types.
 
-``Pow`` of two integer tensors: Relax's ``power`` takes floats only. The integer power is
-computed in float64 (exact while the result stays below 2**53) and rounded back to the base's
-type, as ONNX computes it in the base's type.
+``Pow`` with the exponent of another type than the base (ONNX allows any pair; Relax's
+``power`` wants one float type): the result has the base's type, as ONNX defines it. A float
+base takes the exponent cast to its type. An integer base is raised in float64 (exact while the
+result stays below 2**53) and converted back: rounded for an integer exponent (the exact
+integer power), truncated for a float one (as the reference's cast of the float power).
 """
 
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 
+def _integer(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint"))
+
+
 class Pow(onnx_frontend.Pow):
     @classmethod
     def _impl_v7(cls, bb, inputs, attr, params):
         base, exponent = inputs[0], inputs[1]
-        dtypes = [str(x.ty.dtype) for x in (base, exponent)]
-        if not all(d.startswith(("int", "uint")) for d in dtypes):
-            return super()._impl_v7(bb, inputs, attr, params)
-        wide = [relax.op.astype(x, "float64") for x in (base, exponent)]
-        return relax.op.astype(relax.op.round(relax.op.power(*wide)), dtypes[0])
+        dtype, exponent_dtype = (str(x.ty.dtype) for x in (base, exponent))
+        if not _integer(dtype):
+            if exponent_dtype != dtype:
+                exponent = relax.op.astype(exponent, dtype)
+            return super()._impl_v7(bb, [base, exponent], attr, params)
+        power = relax.op.power(*(relax.op.astype(x, "float64") for x in (base, exponent)))
+        if _integer(exponent_dtype):
+            power = relax.op.round(power)
+        return relax.op.astype(power, dtype)

@@ -2,7 +2,7 @@
 
 BatchNormalization with ONNX's momentum in training mode; Dropout in training mode refused;
 PRelu's channel slopes of opsets before 7; RMSNormalization over several axes; LayerNormalization's
-Mean and InvStdDev outputs.
+Mean and InvStdDev outputs; LpNormalization, which TVM lacks.
 
 ONNX updates running statistics as ``running * momentum + batch * (1 - momentum)``; Relax's
 ``batch_norm`` (PyTorch's convention) as ``running * (1 - momentum) + batch * momentum``. TVM's
@@ -101,3 +101,17 @@ class LayerNormalization(onnx_frontend.LayerNormalization):
         epsilon = relax.const(attr.get("epsilon", 1e-5), stash)
         inv_std_dev = relax.op.rsqrt(relax.op.add(variance, epsilon))
         return relax.Tuple([converted.fields[0], mean, inv_std_dev])
+
+
+class LpNormalization(onnx_frontend.OnnxOpConverter):
+    """``x / (Σ|x|^p)^(1/p)`` along ``axis`` (p = 1 or 2), as ONNX's reference computes it."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        x = inputs[0]
+        axis, p = attr.get("axis", -1), attr.get("p", 2)
+        if p not in (1, 2):
+            raise ConversionError(f"p={p}: LpNormalization is defined for p 1 and 2")
+        magnitude = relax.op.abs(x) if p == 1 else relax.op.multiply(x, x)
+        norm = relax.op.sum(magnitude, axis=[axis], keepdims=True)
+        return relax.op.divide(x, norm if p == 1 else relax.op.sqrt(norm))

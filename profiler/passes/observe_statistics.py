@@ -55,6 +55,9 @@ class ObserveStatistics:
         for name in self.functions:
             rewritten = result[f"{name}{_REWRITTEN}"]
             del result[f"{name}{_REWRITTEN}"]
+            # Renamed with its symbol: passes that rebuild the module (DispatchSortScan) name a
+            # function by its global_symbol.
+            rewritten = rewritten.with_attr("global_symbol", name)
             result[name] = relax.analysis.remove_all_unused(rewritten)
         for gvar, func in list(result.functions_items()):
             if gvar.name_hint.startswith(RECOMPUTE):

@@ -151,6 +151,8 @@ def relax_pipeline(
         pad_int8_channels,
         *layout_passes,
         fold_bias,
+        # sort, topk, cumsum and sampling have no legalization: they dispatch to TOPI kernels
+        *cpu_generic.library_dispatch_passes(target),
         relax.transform.LegalizeOps(customize_legalize_map=legalize),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FuseOps(),

@@ -7,7 +7,8 @@
   add, so constants of a binary op get leading unit axes up to the rank of the other operand.
 * **Batch norms in training mode** legalized first (:data:`legalize_training_batch_norm`).
 * **Stack as a concat** of ``expand_dims``, **dropout as its inference value** (the input and
-  a mask of ones): TVM's layout inference for both is broken. ``cosh`` and ``sinh`` through
+  a mask of ones), **squeeze axes counted from the front**: TVM's layout inference for these
+  is broken. ``cosh`` and ``sinh`` through
   ``exp``, which LLVM lowers.
 * **Clip as operators.** The ONNX importer lowers ``Clip`` to ``call_tir`` of a ``maximum`` /
   ``minimum`` PrimFunc with a scalar bound; ``ConvertLayout`` cannot see through ``call_tir`` and
@@ -86,6 +87,8 @@ class _Prepare(ConstantFolder):
             return _stack_as_concat(call)
         if call.op.name in _HYPERBOLIC:
             return _hyperbolic(call)
+        if call.op.name == "relax.squeeze" and call.attrs.axis is not None:
+            return _squeeze_positive(call)
         if call.op.name == "relax.nn.dropout":  # inference: the input, and a mask of ones
             data = call.args[0]
             return relax.Tuple([data, with_ids(relax.op.ones_like(data), ids_of(call))])
@@ -151,10 +154,18 @@ def _stack_as_concat(call: relax.Call) -> relax.Call:
     return _spanned(relax.op.concat(parts, axis), call.span)
 
 
+def _squeeze_positive(call: relax.Call) -> relax.Call:
+    """``squeeze`` with its axes counted from the front: TVM's layout inference for a negative
+    squeeze axis runs out of memory (``std::bad_alloc``)."""
+    ndim = call.args[0].ty.ndim
+    axes = [int(a) % ndim for a in call.attrs.axis]
+    return _spanned(relax.op.squeeze(call.args[0], axes), call.span)
+
+
 @tvm.transform.module_pass(opt_level=0, name="PrepareForSchedules")
 def prepare(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Numpy constant folding, full-rank binary constants, ``Clip`` as operators, and the
-    rewrites of operators TVM cannot lay out or lower (stack, dropout, cosh, sinh)."""
+    rewrites of operators TVM cannot lay out or lower (stack, dropout, squeeze, cosh, sinh)."""
     mod = mod.clone()  # the caller's module stays as it was
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
