@@ -1,6 +1,6 @@
 """TVM's converters behind checks: node forms its converters or kernels get wrong without a
-word (or crash on) are refused in one line, naming what is not supported; forms a cast makes
-right are converted."""
+word (or crash on) are refused in one line, naming what is not supported; forms a cast or a
+slice makes right are converted."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class TopK(OnnxOpConverter):
 
 
 class Split(OnnxOpConverter):
-    """TVM's split takes increasing split points: no part may be empty."""
+    """Parts of size 0 as slices: TVM's split takes strictly increasing split points."""
 
     @classmethod
     def get_converter(cls, opset):
@@ -104,9 +104,16 @@ class Split(OnnxOpConverter):
         def convert(bb, inputs, attr, params):
             given = _constant(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None
             sizes = given.tolist() if given is not None else list(attr.get("split", []))
-            if 0 in sizes:
-                raise ConversionError(f"split sizes {sizes}: a zero-size part is not supported")
-            return stock(bb, inputs, attr, params)
+            if 0 not in sizes:
+                return stock(bb, inputs, attr, params)
+            x = inputs[0]
+            axis = attr.get("axis", 0) % x.ty.ndim
+            ends = np.cumsum(sizes).tolist()
+            parts = [
+                relax.op.strided_slice(x, axes=[axis], begin=[end - size], end=[end])
+                for size, end in zip(sizes, ends, strict=True)
+            ]
+            return relax.Tuple(parts)
 
         return convert
 
