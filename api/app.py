@@ -24,6 +24,7 @@ from .jobs import Worker
 from .limits import DEFAULT_LIMITS, BodyLimit, Limits
 from .migrate import open_database
 from .schemas import ErrorOut, HealthOut
+from .security import SecurityHeaders
 from .storage import BlobStore, storage_root
 
 _ERRORS = {
@@ -64,6 +65,7 @@ def create_app(
     )
     app.state.service = Service(db, store, worker, limits)
     app.add_middleware(BodyLimit, limits=limits)
+    app.add_middleware(SecurityHeaders)
 
     @app.exception_handler(RangeprofError)
     async def _user_error(_request: Request, err: RangeprofError) -> JSONResponse:

@@ -1,12 +1,16 @@
-"""Upload size limits: a request body over its route's limit is refused with 413 as soon as
-its Content-Length, or the bytes received so far, show it; the uploaded file is then checked
-against the exact limit while it is read.
+"""Limits on the work one request can ask for. Upload sizes: a request body over its route's
+limit is refused with 413 as soon as its Content-Length, or the bytes received so far, show it;
+the uploaded file is then checked against the exact limit while it is read, and an .npz against
+the size its arrays unpack to (a small zip of zeros can unpack to gigabytes). Run options
+(samples, histogram bins, batch size): the defaults are the OpenAPI schema's ``maximum``; a
+server configured lower refuses more (422).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -27,9 +31,36 @@ _EVALUATIONS_PATH = re.compile(r"^/api/runs/[^/]+/evaluations(/report)?$")
 class Limits:
     max_model_bytes: int = 1024 * MB
     max_data_bytes: int = 1024 * MB
+    max_unpacked_bytes: int = 4096 * MB  # an .npz's arrays, decompressed
+    max_samples: int = 1_000_000  # per run (random data included)
+    max_bins: int = 1 << 16
+    max_batch_size: int = 4096
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def check_run_options(limits: Limits, **values: int | None) -> None:
+    """422 where a run option (``samples=…``, ``bins=…``) is over this server's limit."""
+    for name, value in values.items():
+        limit = getattr(limits, f"max_{name}")
+        if value is not None and value > limit:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                f"{name} {value} is over this server's limit of {limit}",
+            )
+
+
+def check_unpacked(path: Path, what: str, limit: int) -> None:
+    """413 when the .npz at ``path`` unpacks to more than ``limit`` bytes (by its directory:
+    zipfile reads no member past its recorded size)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            unpacked = sum(member.file_size for member in archive.infolist())
+    except (OSError, zipfile.BadZipFile):
+        return  # not a zip: the data check names that
+    if unpacked > limit:
+        raise _too_large(f"{what} unpacked ({unpacked} bytes)", limit)
 
 
 def _too_large(what: str, limit: int) -> HTTPException:

@@ -13,7 +13,7 @@ from .auth import Owner
 from .catalog import ARTIFACT_SUFFIX
 from .context import ServiceDep, done_run, not_found, own_run
 from .models import BUILD_TARGETS, Build, Model, QParamsSet
-from .schemas import BuildOut, BuildRequest, BuildSummary, ErrorOut
+from .schemas import BuildOut, BuildRequest, BuildSummary, ErrorOut, ObjectId
 from .uploads import UploadError
 
 router = APIRouter(tags=["builds"])
@@ -35,7 +35,7 @@ def _own_build(session, owner: int, build_id: int) -> Build:
     responses={400: {"model": ErrorOut}, **_NOT_DONE},
 )
 def create_build(
-    service: ServiceDep, owner: Owner, run_id: int, body: BuildRequest | None = None
+    service: ServiceDep, owner: Owner, run_id: ObjectId, body: BuildRequest | None = None
 ) -> BuildOut:
     """Queue an INT8 build of the run's model for ``target``; poll ``GET /api/builds/{id}``."""
     body = body or BuildRequest()
@@ -68,7 +68,7 @@ def create_build(
 
 
 @router.get("/api/runs/{run_id}/builds")
-def list_builds(service: ServiceDep, owner: Owner, run_id: int) -> list[BuildSummary]:
+def list_builds(service: ServiceDep, owner: Owner, run_id: ObjectId) -> list[BuildSummary]:
     """The run's builds without their manifests."""
     with service.db.session() as session:
         own_run(session, owner, run_id)
@@ -77,7 +77,7 @@ def list_builds(service: ServiceDep, owner: Owner, run_id: int) -> list[BuildSum
 
 
 @router.get("/api/builds/{build_id}")
-def get_build(service: ServiceDep, owner: Owner, build_id: int) -> BuildOut:
+def get_build(service: ServiceDep, owner: Owner, build_id: ObjectId) -> BuildOut:
     """Status and progress of a build; once done, the artifact's manifest (regions with their
     profileIDs, qparams and modes) and its sha256."""
     with service.db.session() as session:
@@ -89,7 +89,7 @@ def get_build(service: ServiceDep, owner: Owner, build_id: int) -> BuildOut:
     response_class=FileResponse,
     responses={200: {"content": {"application/zip": {}}}, **_NOT_DONE},
 )
-def get_artifact(service: ServiceDep, owner: Owner, build_id: int) -> FileResponse:
+def get_artifact(service: ServiceDep, owner: Owner, build_id: ObjectId) -> FileResponse:
     """The artifact: a zip of ``model.so`` and ``manifest.json``, as ``rangeprof build`` writes
     them to its ``--out`` folder."""
     with service.db.session() as session:

@@ -13,7 +13,7 @@ from profiler.calibration import CalibrationOptions
 from . import catalog
 from .auth import Owner
 from .context import ServiceDep, done_run, not_found, own_run
-from .limits import copy_file
+from .limits import check_run_options, check_unpacked, copy_file
 from .models import EVALUATION_TARGETS, Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
     ErrorOut,
@@ -22,6 +22,7 @@ from .schemas import (
     EvaluationRequest,
     EvaluationSummary,
     NpzRef,
+    ObjectId,
 )
 from .uploads import UploadError, check_data, check_labels, data_spec, file_stem
 
@@ -87,7 +88,7 @@ def _check_options(method: str, target: str, percentile: float = 99.99) -> None:
 def create_evaluation(
     service: ServiceDep,
     owner: Owner,
-    run_id: int,
+    run_id: ObjectId,
     form: Annotated[EvaluationRequest, Form(media_type="multipart/form-data")],
 ) -> EvaluationOut:
     """Queue an evaluation of the run's ranges with ``method`` on ``target``. Data and labels
@@ -96,10 +97,13 @@ def create_evaluation(
     _check_options(form.method, form.target, form.percentile)
     with service.db.session() as session:
         inputs = done_run(session, owner, run_id).model.inputs
-    limit = service.limits.max_data_bytes
+    limits = service.limits
+    limit = limits.max_data_bytes
+    check_run_options(limits, samples=form.samples)
     with service.store.scratch() as folder:
         data_name = file_stem(form.data.filename, ".npz") + ".npz"
         data_sha = copy_file(form.data.file, folder / data_name, "the data file", limit)
+        check_unpacked(folder / data_name, "the data file", limits.max_unpacked_bytes)
         spec = data_spec(data_name, form.key)
         count = check_data(folder, spec, inputs, samples=form.samples, seed=0)
         staged = {data_sha: folder / data_name}
@@ -109,6 +113,7 @@ def create_evaluation(
             path = folder / "labels" / uploaded  # a folder of its own: the names may be equal
             path.parent.mkdir()
             labels_sha = copy_file(form.labels.file, path, "the labels file", limit)
+            check_unpacked(path, "the labels file", limits.max_unpacked_bytes)
             labels_key = check_labels(path, uploaded, form.labels_key, count)
             staged.setdefault(labels_sha, path)
             labels_name = _labels_name(uploaded, labels_sha, data_name, data_sha)
@@ -149,7 +154,7 @@ def _labels_name(uploaded: str, sha256: str, data_name: str, data_sha: str) -> s
     responses=_REFUSED,
 )
 def upload_report(
-    service: ServiceDep, owner: Owner, run_id: int, report: EvaluationReport
+    service: ServiceDep, owner: Owner, run_id: ObjectId, report: EvaluationReport
 ) -> EvaluationOut:
     """Store a report of ``rangeprof evaluate --json`` made with this run's profile; its layers
     must be profileIDs of the run."""
@@ -185,7 +190,9 @@ def upload_report(
 
 
 @router.get("/api/runs/{run_id}/evaluations")
-def list_evaluations(service: ServiceDep, owner: Owner, run_id: int) -> list[EvaluationSummary]:
+def list_evaluations(
+    service: ServiceDep, owner: Owner, run_id: ObjectId
+) -> list[EvaluationSummary]:
     """The run's evaluations without their per-layer reports."""
     with service.db.session() as session:
         own_run(session, owner, run_id)
@@ -196,7 +203,7 @@ def list_evaluations(service: ServiceDep, owner: Owner, run_id: int) -> list[Eva
 
 
 @router.get("/api/evaluations/{evaluation_id}")
-def get_evaluation(service: ServiceDep, owner: Owner, evaluation_id: int) -> EvaluationOut:
+def get_evaluation(service: ServiceDep, owner: Owner, evaluation_id: ObjectId) -> EvaluationOut:
     """Status and progress of an evaluation; once done, its report: per layer (by the
     profileID of its output) isolated and accumulated SQNR, worst isolated first."""
     return _get(service, owner, evaluation_id)

@@ -15,7 +15,7 @@ from .context import ServiceDep, done_run, not_found, own_model
 from .layer_table import calibration, layer_page, tensor_entry
 from .lineage import layer_lineage
 from .models import Layer, TensorStat
-from .schemas import ErrorOut, LayerPage, LayerQuery, LineageOut, TensorOut, TensorQuery
+from .schemas import ErrorOut, LayerPage, LayerQuery, LineageOut, ObjectId, TensorOut, TensorQuery
 
 router = APIRouter(tags=["layers"])
 _BAD = {400: {"model": ErrorOut}, 409: {"model": ErrorOut, "description": "The run is not done."}}
@@ -27,7 +27,7 @@ def _missing(profile_id: str, where: str) -> HTTPException:
 
 @router.get("/api/models/{model_id}/layers", responses=_BAD)
 def list_layers(
-    service: ServiceDep, owner: Owner, model_id: int, query: Annotated[LayerQuery, Query()]
+    service: ServiceDep, owner: Owner, model_id: ObjectId, query: Annotated[LayerQuery, Query()]
 ) -> LayerPage:
     """The model's layers matching ``q``, sorted and paged; with ``run``, each row has the run's
     min/max and the scale each calibration method suggests."""
@@ -41,7 +41,7 @@ def list_layers(
 
 @router.get("/api/runs/{run_id}/tensor", responses=_BAD)
 def get_tensor(
-    service: ServiceDep, owner: Owner, run_id: int, query: Annotated[TensorQuery, Query()]
+    service: ServiceDep, owner: Owner, run_id: ObjectId, query: Annotated[TensorQuery, Query()]
 ) -> TensorOut:
     """One tensor of a run: its profile entry (histogram, per-channel ranges) and the clipping
     range and scale of every calibration method."""
@@ -68,7 +68,7 @@ def get_tensor(
 def get_lineage(
     service: ServiceDep,
     owner: Owner,
-    model_id: int,
+    model_id: ObjectId,
     profile_id: Annotated[str, Query(description="An initial profileID of the model.")],
 ) -> LineageOut:
     """What the layer became after each stage, and what each of those bindings holds."""

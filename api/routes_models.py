@@ -12,7 +12,7 @@ from .auth import Owner
 from .context import ServiceDep, not_found, own_model
 from .limits import read_file
 from .models import Model
-from .schemas import ErrorOut, ModelOut, ModelSummary, ModelUpload
+from .schemas import ErrorOut, ModelOut, ModelSummary, ModelUpload, ObjectId
 from .uploads import analyse_model
 
 router = APIRouter(prefix="/api/models", tags=["models"])
@@ -45,13 +45,13 @@ def list_models(service: ServiceDep, owner: Owner) -> list[ModelSummary]:
 
 
 @router.get("/{model_id}")
-def get_model(service: ServiceDep, owner: Owner, model_id: int) -> ModelOut:
+def get_model(service: ServiceDep, owner: Owner, model_id: ObjectId) -> ModelOut:
     with service.db.session() as session:
         return ModelOut.model_validate(own_model(session, owner, model_id))
 
 
 @router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_model(service: ServiceDep, owner: Owner, model_id: int) -> Response:
+def delete_model(service: ServiceDep, owner: Owner, model_id: ObjectId) -> Response:
     """Delete the model, its runs and everything derived from them, and its stored files."""
     if not catalog.delete_model(service.db, service.store, owner, model_id):
         raise not_found("model", model_id)

@@ -17,13 +17,14 @@ from .auth import Owner
 from .context import ServiceDep, done_run, own_model, own_run
 from .documents import load_profile, tensor_rows
 from .drift import tensor_drift
-from .limits import copy_file
+from .limits import check_run_options, check_unpacked, copy_file
 from .models import QParamsSet, Run
 from .schemas import (
     CalibrationRequest,
     DriftOut,
     ErrorOut,
     ExportQuery,
+    ObjectId,
     ProfileDocument,
     QParamsOut,
     RunData,
@@ -76,7 +77,7 @@ def _check_source(form: RunRequest) -> None:
 def create_run(
     service: ServiceDep,
     owner: Owner,
-    model_id: int,
+    model_id: ObjectId,
     form: Annotated[RunRequest, Form(media_type="multipart/form-data")],
 ) -> RunOut:
     """Queue a profiling run. The data is checked against the model's inputs (names, shapes,
@@ -84,14 +85,16 @@ def create_run(
     with service.db.session() as session:
         inputs = own_model(session, owner, model_id).inputs
     _check_source(form)
+    limits = service.limits
+    samples = form.random or form.samples
+    check_run_options(limits, samples=samples, bins=form.bins, batch_size=form.batch_size)
     with service.store.scratch() as folder:
         staged = sha256 = name = None
         if form.data is not None:
             name = file_stem(form.data.filename, ".npz") + ".npz"
             staged = folder / name
-            limit = service.limits.max_data_bytes
-            sha256 = copy_file(form.data.file, staged, "the data file", limit)
-        samples = form.random or form.samples
+            sha256 = copy_file(form.data.file, staged, "the data file", limits.max_data_bytes)
+            check_unpacked(staged, "the data file", limits.max_unpacked_bytes)
         spec = data_spec(name, form.key)
         check_data(folder, spec, inputs, samples=samples, seed=form.seed)
         run = Run(
@@ -113,7 +116,7 @@ def create_run(
 
 
 @router.get("/api/models/{model_id}/runs")
-def list_runs(service: ServiceDep, owner: Owner, model_id: int) -> list[RunOut]:
+def list_runs(service: ServiceDep, owner: Owner, model_id: ObjectId) -> list[RunOut]:
     with service.db.session() as session:
         own_model(session, owner, model_id)
         runs = session.scalars(select(Run).where(Run.model_id == model_id).order_by(Run.id))
@@ -121,14 +124,14 @@ def list_runs(service: ServiceDep, owner: Owner, model_id: int) -> list[RunOut]:
 
 
 @router.get("/api/runs/{run_id}")
-def get_run(service: ServiceDep, owner: Owner, run_id: int) -> RunOut:
+def get_run(service: ServiceDep, owner: Owner, run_id: ObjectId) -> RunOut:
     """Status and progress of a run."""
     with service.db.session() as session:
         return run_out(own_run(session, owner, run_id))
 
 
 @router.get("/api/runs/{run_id}/profile", response_model=ProfileDocument, responses=_CONFLICT)
-def get_profile(service: ServiceDep, owner: Owner, run_id: int) -> JSONResponse:
+def get_profile(service: ServiceDep, owner: Owner, run_id: ObjectId) -> JSONResponse:
     """The profile JSON, exactly as ``rangeprof profile`` writes it."""
     with service.db.session() as session:
         doc = load_profile(session, done_run(session, owner, run_id))
@@ -145,7 +148,7 @@ def _calibration(options: CalibrationRequest) -> CalibrationOptions:
     responses={400: {"model": ErrorOut}, **_CONFLICT},
 )
 def export_run(
-    service: ServiceDep, owner: Owner, run_id: int, query: Annotated[ExportQuery, Query()]
+    service: ServiceDep, owner: Owner, run_id: ObjectId, query: Annotated[ExportQuery, Query()]
 ) -> PlainTextResponse:
     """The run's ranges in another tool's format, as ``rangeprof export`` writes them."""
     options = _calibration(query)
@@ -161,7 +164,7 @@ def export_run(
     responses={400: {"model": ErrorOut}, **_CONFLICT},
 )
 def create_qparams(
-    service: ServiceDep, owner: Owner, run_id: int, body: CalibrationRequest | None = None
+    service: ServiceDep, owner: Owner, run_id: ObjectId, body: CalibrationRequest | None = None
 ) -> QParamsOut:
     """Quantization parameters from the run's statistics, as ``rangeprof calibrate``."""
     options = _calibration(body or CalibrationRequest())
@@ -174,7 +177,7 @@ def create_qparams(
 
 
 @router.get("/api/runs/{run_id}/qparams")
-def list_qparams(service: ServiceDep, owner: Owner, run_id: int) -> list[QParamsOut]:
+def list_qparams(service: ServiceDep, owner: Owner, run_id: ObjectId) -> list[QParamsOut]:
     with service.db.session() as session:
         own_run(session, owner, run_id)
         sets = session.scalars(
@@ -184,7 +187,7 @@ def list_qparams(service: ServiceDep, owner: Owner, run_id: int) -> list[QParams
 
 
 @router.get("/api/runs/{a}/compare/{b}", responses=_CONFLICT)
-def compare_runs(service: ServiceDep, owner: Owner, a: int, b: int) -> DriftOut:
+def compare_runs(service: ServiceDep, owner: Owner, a: ObjectId, b: ObjectId) -> DriftOut:
     """Per-profileID drift from run ``a`` to run ``b``: range change, histogram distance."""
     with service.db.session() as session:
         rows = [tensor_rows(session, done_run(session, owner, r).id) for r in (a, b)]

@@ -8,16 +8,23 @@ accepts exactly what the CLI accepts and reports the same messages.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import UploadFile
+from fastapi import Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from profiler.calibration import DTYPES, GRANULARITIES, METHODS, SCHEMES
 from profiler.exports import FORMATS
 from profiler.statistics import DEFAULT_BINS
 
+from .limits import DEFAULT_LIMITS as _MAX
+
 RunStatus = Literal["queued", "running", "done", "failed"]
+
+# Ids are 32-bit integers in the database (PostgreSQL's integer): a larger one names nothing,
+# and would overflow the query, so it is refused (422) before any query is made.
+MAX_ID = 2**31 - 1
+ObjectId = Annotated[int, Path(ge=1, le=MAX_ID, description="An object's id.")]
 
 
 class _Out(BaseModel):
@@ -107,11 +114,19 @@ class RunRequest(BaseModel):
     key: str | None = Field(
         None, description="Array(s) of the .npz to use, comma-separated in input order."
     )
-    random: int | None = Field(None, ge=1, description="Instead of data: this many samples.")
-    samples: int | None = Field(None, ge=1, description="Use at most this many samples.")
-    bins: int = Field(DEFAULT_BINS, ge=0, description="Histogram bins (0: no histograms).")
-    batch_size: int | None = Field(None, ge=1, description="Default: the model's batch.")
-    seed: int = Field(0, ge=0, description="Seed of random data.")
+    random: int | None = Field(
+        None, ge=1, le=_MAX.max_samples, description="Instead of data: this many samples."
+    )
+    samples: int | None = Field(
+        None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
+    )
+    bins: int = Field(
+        DEFAULT_BINS, ge=0, le=_MAX.max_bins, description="Histogram bins (0: no histograms)."
+    )
+    batch_size: int | None = Field(
+        None, ge=1, le=_MAX.max_batch_size, description="Default: the model's batch."
+    )
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of random data.")
 
 
 class RunOptions(_Out):
@@ -221,13 +236,15 @@ class LayerQuery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    run: int | None = Field(None, description="A done run of the model: its min/max and scales.")
+    run: int | None = Field(
+        None, ge=1, le=MAX_ID, description="A done run of the model: its min/max and scales."
+    )
     q: str | None = Field(
         None, max_length=200, description="Case-insensitive substring of profileID, op or node."
     )
     sort: LayerSort = "position"
     order: Literal["asc", "desc"] = "asc"
-    offset: int = Field(0, ge=0)
+    offset: int = Field(0, ge=0, le=MAX_ID)
     limit: int = Field(50, ge=1, le=500)
     scheme: str = Field("sym", description=" | ".join(SCHEMES))
     dtype: str = Field("int8", description=" | ".join(DTYPES))
@@ -325,7 +342,9 @@ class EvaluationRequest(BaseModel):
     method: str = Field("mse", description=" | ".join(METHODS))
     percentile: float = Field(99.99, description="For method percentile.")
     target: str = Field("x86", description="x86 | npu")
-    samples: int | None = Field(None, ge=1, description="Use at most this many samples.")
+    samples: int | None = Field(
+        None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
+    )
     weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
 
 
@@ -402,7 +421,10 @@ class BuildRequest(BaseModel):
     method: str = Field("mse", description=" | ".join(METHODS))
     percentile: float = Field(99.99, description="For method percentile.")
     qparams_id: int | None = Field(
-        None, description="A stored qparams set of the run (`GET /api/runs/{id}/qparams`)."
+        None,
+        ge=1,
+        le=MAX_ID,
+        description="A stored qparams set of the run (`GET /api/runs/{id}/qparams`).",
     )
     weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
 

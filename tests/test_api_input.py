@@ -27,7 +27,9 @@ from service_fixtures import (
     upload_model,
 )
 
-LIMITS = Limits(max_model_bytes=300_000, max_data_bytes=100_000)
+LIMITS = Limits(
+    max_model_bytes=300_000, max_data_bytes=100_000, max_unpacked_bytes=1_000_000, max_samples=1000
+)
 
 
 @dataclass
@@ -146,6 +148,13 @@ def _digits(count: int = 4, **arrays) -> bytes:
     return npz_bytes(**(arrays or {"calib": np.zeros((count, 1, 8, 8), np.float32)}))
 
 
+def _zip_bomb() -> bytes:
+    """A few kilobytes of .npz that unpack to 4 MB of zeros."""
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, calib=np.zeros((16384, 1, 8, 8), np.float32))
+    return buffer.getvalue()
+
+
 def _truncated_member() -> bytes:
     """A valid zip whose array holds fewer samples than its header promises."""
     array = io.BytesIO()
@@ -187,6 +196,15 @@ RUN_CASES = {
     "negative bins": (_run(random="4", bins="-1"), 422, "bins"),
     "zero samples": (_data("d.npz", _digits(), samples="0"), 422, "samples"),
     "over the size limit": (_data("big.npz", _digits(1000)), 413, "the data upload"),
+    "unpacks over the limit": (_data("bomb.npz", _zip_bomb()), 413, "the data file unpacked"),
+    "samples over the schema's maximum": (_run(random=str(10**12)), 422, "random"),
+    "bins over the schema's maximum": (_run(random="4", bins=str(10**9)), 422, "bins"),
+    "batch over the schema's maximum": (_run(random="4", batch_size=str(10**9)), 422, "batch"),
+    "samples over this server's limit": (
+        _run(random="5000"),
+        422,
+        "samples 5000 is over this server's limit of 1000",
+    ),
     "over the size limit, within the slack": (
         _data("big.npz", _digits(450)),
         413,
@@ -199,6 +217,41 @@ RUN_CASES = {
 def test_bad_run_request(served, case):
     send, status, *needles = RUN_CASES[case]
     _refused(served, lambda api: send(api, served.model_id), status, *needles)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/api/models/{2**63}",
+        f"/api/models/{2**31}/runs",
+        "/api/runs/0",
+        f"/api/runs/1/compare/{2**40}",
+        f"/api/builds/{-1}",
+        f"/api/evaluations/{2**64}",
+        f"/api/models/1/layers?offset={2**63}",
+    ],
+)
+def test_ids_out_of_range_are_422_not_500(served, path):
+    _refused(served, lambda api: api.get(path), 422)
+
+
+def test_security_headers(served):
+    api = served.live.owner
+    for path in ("/dashboard/", "/api/health", f"/api/models/{served.model_id}"):
+        headers = api.get(path).headers
+        assert headers["x-frame-options"] == "DENY", path
+        assert headers["x-content-type-options"] == "nosniff", path
+        assert headers["referrer-policy"] == "no-referrer", path
+    policy = api.get("/dashboard/").headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in policy and "script-src 'self'" in policy
+
+
+def test_run_limits_are_the_schema_maximum(served):
+    schema = served.live.owner.get("/openapi.json").json()["components"]["schemas"]
+    form = schema["RunRequest"]["properties"]
+    maxima = {name: form[name]["anyOf"][0].get("maximum") for name in ("random", "samples")}
+    assert maxima == {"random": Limits().max_samples, "samples": Limits().max_samples}
+    assert form["bins"]["maximum"] == Limits().max_bins
 
 
 def test_unknown_model_is_not_found(served):
