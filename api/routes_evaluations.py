@@ -8,13 +8,11 @@ from typing import Annotated
 from fastapi import APIRouter, Form, status
 from sqlalchemy import select
 
-from profiler.calibration import CalibrationOptions
-
 from . import catalog
 from .auth import Owner
 from .context import ServiceDep, done_run, not_found, own_run
 from .limits import check_run_options, check_unpacked, copy_file
-from .models import EVALUATION_TARGETS, Evaluation, Model, Run, TensorStat, utcnow
+from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
     ErrorOut,
     EvaluationOut,
@@ -76,12 +74,6 @@ def _own_evaluation(session, owner: int, evaluation_id: int) -> Evaluation:
     return evaluation
 
 
-def _check_options(method: str, target: str, percentile: float = 99.99) -> None:
-    CalibrationOptions(method=method, percentile=percentile)
-    if target not in EVALUATION_TARGETS:
-        raise UploadError(f"evaluation runs on {' or '.join(EVALUATION_TARGETS)}, not {target!r}")
-
-
 @router.post(
     "/api/runs/{run_id}/evaluations", status_code=status.HTTP_202_ACCEPTED, responses=_REFUSED
 )
@@ -94,7 +86,6 @@ def create_evaluation(
     """Queue an evaluation of the run's ranges with ``method`` on ``target``. Data and labels
     are checked (against the model's inputs; 1-D integer labels, enough of them) before
     anything is stored; poll ``GET /api/evaluations/{id}``."""
-    _check_options(form.method, form.target, form.percentile)
     with service.db.session() as session:
         inputs = done_run(session, owner, run_id).model.inputs
     limits = service.limits
@@ -158,7 +149,6 @@ def upload_report(
 ) -> EvaluationOut:
     """Store a report of ``rangeprof evaluate --json`` made with this run's profile; its layers
     must be profileIDs of the run."""
-    _check_options(report.method, report.target)
     with service.db.session() as session:
         done_run(session, owner, run_id)
         known = set(

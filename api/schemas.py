@@ -18,8 +18,17 @@ from profiler.exports import FORMATS
 from profiler.statistics import DEFAULT_BINS
 
 from .limits import DEFAULT_LIMITS as _MAX
+from .models import BUILD_TARGETS, EVALUATION_TARGETS
 
 RunStatus = Literal["queued", "running", "done", "failed"]
+# Choices are enums in the OpenAPI document: the CLI's own tuples.
+Method = Literal[METHODS]
+Scheme = Literal[SCHEMES]
+Dtype = Literal[tuple(DTYPES)]
+Granularity = Literal[GRANULARITIES]
+ExportFormat = Literal[FORMATS]
+BuildTarget = Literal[BUILD_TARGETS]
+EvaluationTarget = Literal[EVALUATION_TARGETS]
 
 # Ids are 32-bit integers in the database (PostgreSQL's integer): a larger one names nothing,
 # and would overflow the query, so it is refused (422) before any query is made.
@@ -171,16 +180,16 @@ class CalibrationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str = Field("max", description=" | ".join(METHODS))
-    percentile: float = Field(99.99, description="For method percentile.")
-    scheme: str = Field("sym", description=" | ".join(SCHEMES))
-    dtype: str = Field("int8", description=" | ".join(DTYPES))
-    granularity: str = Field("per-tensor", description=" | ".join(GRANULARITIES))
+    method: Method = "max"
+    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
+    scheme: Scheme = "sym"
+    dtype: Dtype = "int8"
+    granularity: Granularity = "per-tensor"
     power_of_two: bool = Field(False, description="Round scales up to powers of two.")
 
 
 class ExportQuery(CalibrationRequest):
-    format: str = Field(description=" | ".join(FORMATS))
+    format: ExportFormat
 
 
 class QParamsOut(_Out):
@@ -246,9 +255,9 @@ class LayerQuery(BaseModel):
     order: Literal["asc", "desc"] = "asc"
     offset: int = Field(0, ge=0, le=MAX_ID)
     limit: int = Field(50, ge=1, le=500)
-    scheme: str = Field("sym", description=" | ".join(SCHEMES))
-    dtype: str = Field("int8", description=" | ".join(DTYPES))
-    percentile: float = Field(99.99, description="For method percentile.")
+    scheme: Scheme = "sym"
+    dtype: Dtype = "int8"
+    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
 
 
 class LayerRow(BaseModel):
@@ -281,9 +290,9 @@ class TensorQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     profile_id: str
-    scheme: str = Field("sym", description=" | ".join(SCHEMES))
-    dtype: str = Field("int8", description=" | ".join(DTYPES))
-    percentile: float = Field(99.99, description="For method percentile.")
+    scheme: Scheme = "sym"
+    dtype: Dtype = "int8"
+    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
 
 
 class TensorOut(BaseModel):
@@ -339,9 +348,9 @@ class EvaluationRequest(BaseModel):
     labels_key: str | None = Field(
         None, description="The labels' array: in `labels`, or without it in `data`."
     )
-    method: str = Field("mse", description=" | ".join(METHODS))
-    percentile: float = Field(99.99, description="For method percentile.")
-    target: str = Field("x86", description="x86 | npu")
+    method: Method = "mse"
+    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
+    target: EvaluationTarget = "x86"
     samples: int | None = Field(
         None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
     )
@@ -364,8 +373,8 @@ class EvaluationReport(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    method: str
-    target: str
+    method: Method
+    target: EvaluationTarget
     weight_bits: int = Field(8, ge=7, le=8, description="Absent in reports made before: 8.")
     samples: int = Field(ge=1)
     agreement: float
@@ -417,9 +426,9 @@ class BuildRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    target: str = Field("x86", description="x86 | aarch64 | npu")
-    method: str = Field("mse", description=" | ".join(METHODS))
-    percentile: float = Field(99.99, description="For method percentile.")
+    target: BuildTarget = "x86"
+    method: Method = "mse"
+    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
     qparams_id: int | None = Field(
         None,
         ge=1,

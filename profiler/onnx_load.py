@@ -313,8 +313,8 @@ def _bind(
     unknown = sorted(set(values) - set(value_inputs))
     if unknown:
         raise InputShapeError(
-            f"{source}: {', '.join(map(repr, unknown))} decides no shape or setting; only "
-            f"value inputs are bound ({', '.join(map(repr, value_inputs)) or 'none'})"
+            f"{source}: {_quoted(unknown)} decides no shape or setting; only value inputs are "
+            f"bound ({_quoted(value_inputs) or 'none'})"
         )
     bound = {}
     for vi in [vi for vi in graph.input if vi.name in values]:
@@ -419,6 +419,10 @@ def _dims(vi: onnx.ValueInfoProto, source: str) -> list[int | None] | None:
     ]
 
 
+def _quoted(names: Sequence[str]) -> str:
+    return ", ".join(map(repr, names))
+
+
 def _shape_text(dims: Sequence[int | None] | None) -> str:
     if dims is None:
         return "of unknown rank"
@@ -432,8 +436,7 @@ def _resolve_shapes(
     unknown = sorted(set(given) - set(names))
     if unknown:
         raise InputShapeError(
-            f"{source}: no input named {', '.join(map(repr, unknown))}; "
-            f"the model's inputs are {', '.join(map(repr, names))}"
+            f"{source}: no input named {_quoted(unknown)}; the model's inputs are {_quoted(names)}"
         )
     shapes = {}
     for vi in inputs:

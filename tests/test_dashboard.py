@@ -757,7 +757,7 @@ def test_layer_table_api_searches_sorts_and_pages(backend_live):
         (live.owner, {"run": 999_999}, 404, "run 999999 not found"),
         (live.owner, {"sort": "scale"}, 422, "sort"),
         (live.owner, {"limit": 501}, 422, "limit"),
-        (live.owner, {"scheme": "weird"}, 400, "unknown quantization scheme 'weird'"),
+        (live.owner, {"scheme": "weird"}, 422, "query scheme: Input should be 'sym' or 'asym'"),
     ]
     for api, params, code, detail in refusals:
         response = api.get(path, params=params)
@@ -810,8 +810,8 @@ def test_evaluation_api_refuses_bad_input_and_leaves_nothing_behind(backend_live
         return api.post(f"/api/runs/{run}/evaluations", files=files, data=form)
 
     refusals = [
-        (post(method="median", key="x"), 400, "unknown calibration method 'median'"),
-        (post(target="aarch64", key="x"), 400, "evaluation runs on x86 or npu, not 'aarch64'"),
+        (post(method="median", key="x"), 422, "body method"),
+        (post(target="aarch64", key="x"), 422, "body target: Input should be 'x86' or 'npu'"),
         (post(key="y"), 400, "eval.npz"),  # int labels are no float input
         (post(data=b"PK-not-a-zip", key="x"), 400, "eval.npz"),
         (post(key="x", labels_key="nope"), 400, "eval.npz: no array 'nope'"),
@@ -835,7 +835,7 @@ def test_evaluation_api_refuses_bad_input_and_leaves_nothing_behind(backend_live
     response = live.owner.post(report_path, json={"method": "mse"})
     assert response.status_code == 422 and "body target" in response.json()["detail"]
     response = live.owner.post(report_path, json={**_report(synthetic), "target": "gpu"})
-    assert response.status_code == 400
+    assert response.status_code == 422 and "body target" in response.json()["detail"]
     assert row_counts(live.url) == rows
     assert stored_files(live.storage) == files
 

@@ -30,21 +30,34 @@ def _constant(expr) -> np.ndarray | None:
     return None
 
 
-class Resize(OnnxOpConverter):
-    """TVM's resize: refused where it would compute something else than ONNX's."""
+class _Checked(OnnxOpConverter):
+    """TVM's converter of ``op_type``, after :meth:`check` (which raises where TVM's result
+    would not be ONNX's)."""
+
+    op_type: str
+
+    @classmethod
+    def check(cls, inputs, attr) -> None:
+        raise NotImplementedError
 
     @classmethod
     def get_converter(cls, opset):
-        stock = _stock("Resize", opset)
+        stock = _stock(cls.op_type, opset)
 
         def convert(bb, inputs, attr, params):
-            cls._check(inputs, attr)
+            cls.check(inputs, attr)
             return stock(bb, inputs, attr, params)
 
         return convert
 
-    @staticmethod
-    def _check(inputs, attr) -> None:
+
+class Resize(_Checked):
+    """TVM's resize: refused where it would compute something else than ONNX's."""
+
+    op_type = "Resize"
+
+    @classmethod
+    def check(cls, inputs, attr) -> None:
         if attr.get("antialias", 0):
             raise ConversionError("antialias=1 is not supported (TVM's resize has no antialias)")
         mode = _text(attr, "coordinate_transformation_mode", "half_pixel")
@@ -76,22 +89,17 @@ def _output_dims(dims: list[int], inputs) -> list[int]:
     return dims
 
 
-class TopK(OnnxOpConverter):
+class TopK(_Checked):
     """TVM's sort kernels take float, int8/32/64 and uint8 tensors."""
 
+    op_type = "TopK"
     _SORTABLE = frozenset({"float16", "float32", "float64", "int8", "int32", "int64", "uint8"})
 
     @classmethod
-    def get_converter(cls, opset):
-        stock = _stock("TopK", opset)
-
-        def convert(bb, inputs, attr, params):
-            dtype = str(inputs[0].ty.dtype)
-            if dtype not in cls._SORTABLE:
-                raise ConversionError(f"TopK of {dtype} is not supported (TVM sorts no {dtype})")
-            return stock(bb, inputs, attr, params)
-
-        return convert
+    def check(cls, inputs, attr) -> None:
+        dtype = str(inputs[0].ty.dtype)
+        if dtype not in cls._SORTABLE:
+            raise ConversionError(f"TopK of {dtype} is not supported (TVM sorts no {dtype})")
 
 
 class Split(OnnxOpConverter):
