@@ -46,7 +46,9 @@ def create_app(
     data folder), which must be migrated to head; ``jobs`` runs at a time in this process."""
     db = open_database(db_url)
     store = BlobStore(storage_root(db.url, storage))
-    worker = Worker(db, store, name=worker_name, jobs=jobs) if jobs else None
+    worker = None
+    if jobs:
+        worker = Worker(db, store, name=worker_name, jobs=jobs, time_limit_s=limits.max_job_seconds)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

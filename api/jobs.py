@@ -38,6 +38,7 @@ from . import catalog, execute
 from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
 from .db import Database
 from .documents import load_profile, store_profile
+from .limits import DEFAULT_LIMITS
 from .migrate import open_database
 from .models import Build, Evaluation, Model, QParamsSet, Run, utcnow
 from .storage import BlobStore, storage_root
@@ -90,8 +91,10 @@ class Worker:
         poll_s: float = 1.0,
         heartbeat_s: float = 5.0,
         stale_after_s: float = 60.0,
+        time_limit_s: float = DEFAULT_LIMITS.max_job_seconds,
     ):
         self.db, self.store = db, store
+        self.time_limit_s = time_limit_s
         self.name = name or default_name()
         self.jobs, self.poll_s = jobs, poll_s
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
@@ -296,8 +299,12 @@ class Worker:
 
         threading.Thread(target=read, daemon=True).start()
         progress, written, last_write = {"progress": [0, None]}, None, 0.0
+        deadline = time.monotonic() + self.time_limit_s
         try:
             while not self._stopping.is_set():
+                if time.monotonic() > deadline:
+                    limit = f"{self.time_limit_s:g} s"
+                    return {"failed": f"stopped at this server's time limit for a job, {limit}"}
                 try:
                     answer = answers.get(timeout=_WRITE_EVERY_S)
                 except queue.Empty:

@@ -3,7 +3,8 @@ limit is refused with 413 as soon as its Content-Length, or the bytes received s
 the uploaded file is then checked against the exact limit while it is read, and an .npz against
 the size its arrays unpack to (a small zip of zeros can unpack to gigabytes). Run options
 (samples, histogram bins, batch size): the defaults are the OpenAPI schema's ``maximum``; a
-server configured lower refuses more (422).
+server configured lower refuses more (422). A job's wall time: the worker stops it and fails it
+with the reason.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Limits:
     max_samples: int = 1_000_000  # per run (random data included)
     max_bins: int = 1 << 16
     max_batch_size: int = 4096
+    max_job_seconds: float = 3600.0  # a run, evaluation or build, then it fails with the reason
 
 
 DEFAULT_LIMITS = Limits()

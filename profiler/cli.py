@@ -631,6 +631,9 @@ def serve(
     ] = 1,
     max_model_mb: Annotated[float, typer.Option(help="Largest model upload.")] = 1024,
     max_data_mb: Annotated[float, typer.Option(help="Largest .npz upload.")] = 1024,
+    max_job_minutes: Annotated[
+        float, typer.Option(min=0, help="Wall time of a run, evaluation or build; then it fails.")
+    ] = 60,
 ) -> None:
     """Run the REST API, with a worker for its runs unless --jobs 0."""
     import logging
@@ -641,7 +644,9 @@ def serve(
     from api.app import create_app
     from api.limits import MB, Limits
 
-    limits = Limits(int(max_model_mb * MB), int(max_data_mb * MB))
+    limits = Limits(
+        int(max_model_mb * MB), int(max_data_mb * MB), max_job_seconds=60 * max_job_minutes
+    )
     try:
         service = create_app(
             db,

@@ -25,6 +25,7 @@ from service_fixtures import (
     row_counts,
     stored_files,
     upload_model,
+    wait_for_run,
 )
 
 LIMITS = Limits(
@@ -269,3 +270,18 @@ def test_good_input_after_bad_input(served):
         "key": None,
         "sha256": hashlib.sha256(data).hexdigest(),
     }
+
+
+def test_a_job_past_the_time_limit_fails_with_the_reason(tmp_path):
+    """The worker stops a job at the server's wall-time limit: the run fails saying so, and
+    leaves no scratch folder behind."""
+    limits = Limits(max_job_seconds=1.0)
+    with live_service("sqlite", tmp_path, limits) as live:
+        model_id = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        run = _run(random=str(Limits().max_samples))(live.owner, model_id).json()
+        done = wait_for_run(live.owner, run["id"], timeout=60)
+        assert done["status"] == "failed"
+        assert done["error"] == "stopped at this server's time limit for a job, 1 s"
+        assert done["samples_done"] < Limits().max_samples
+        assert list((live.storage / "tmp").iterdir()) == []  # the scratch folders
+        assert live.owner.get(f"/api/models/{model_id}").status_code == 200
