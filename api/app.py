@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from profiler.errors import RangeprofError
 
@@ -31,6 +32,7 @@ _ERRORS = {
     401: {"model": ErrorOut, "description": "No valid bearer token."},
     404: {"model": ErrorOut, "description": "No such object among the token's own."},
     422: {"model": ErrorOut, "description": "A parameter is missing or malformed."},
+    503: {"model": ErrorOut, "description": "The database is unavailable; see Retry-After."},
 }
 
 
@@ -72,6 +74,17 @@ def create_app(
     @app.exception_handler(RangeprofError)
     async def _user_error(_request: Request, err: RangeprofError) -> JSONResponse:
         return JSONResponse({"detail": str(err)}, status.HTTP_400_BAD_REQUEST)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _database_gone(_request: Request, err: DBAPIError) -> JSONResponse:
+        # A connection the pool could not replace (the database down, restarting, full): the
+        # request can succeed later; pre-ping already replaced stale connections.
+        return JSONResponse(
+            {"detail": "the database is unavailable; retry shortly"},
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": "5"},
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from .db import Database
 from .jobs import Worker
 from .limits import Limits
-from .models import Model, Run
+from .models import Build, Evaluation, Model, Run
 from .storage import BlobStore
 
 
@@ -58,3 +58,25 @@ def done_run(session: Session, owner: int, run_id: int) -> Run:
         why = f": {run.error}" if run.error else "; its profile exists once it is done"
         raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id} is {run.status}{why}")
     return run
+
+
+def check_queue(session: Session, owner: int, limits: Limits) -> None:
+    """429 while the token already has its limit of jobs waiting for a worker."""
+    waiting = [
+        select(func.count(Run.id)).join(Model).where(Run.status == "queued"),
+        select(func.count(Build.id))
+        .join(Model, Build.model_id == Model.id)
+        .where(Build.status == "queued"),
+        select(func.count(Evaluation.id))
+        .join(Run, Evaluation.run_id == Run.id)
+        .join(Model, Run.model_id == Model.id)
+        .where(Evaluation.status == "queued"),
+    ]
+    queued = sum(session.scalar(q.where(Model.owner_id == owner)) for q in waiting)
+    if queued >= limits.max_queued_per_token:
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS,
+            f"{queued} jobs of this token are queued, this server's limit; "
+            "queue more once some have run",
+            headers={"Retry-After": "30"},
+        )

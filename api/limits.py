@@ -4,7 +4,7 @@ the uploaded file is then checked against the exact limit while it is read, and 
 the size its arrays unpack to (a small zip of zeros can unpack to gigabytes). Run options
 (samples, histogram bins, batch size): the defaults are the OpenAPI schema's ``maximum``; a
 server configured lower refuses more (422). A job's wall time: the worker stops it and fails it
-with the reason.
+with the reason. Jobs queued per token: more is 429 until some have run.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Limits:
     max_bins: int = 1 << 16
     max_batch_size: int = 4096
     max_job_seconds: float = 3600.0  # a run, evaluation or build, then it fails with the reason
+    max_queued_per_token: int = 16  # jobs waiting for a worker: one token cannot starve others
 
 
 DEFAULT_LIMITS = Limits()

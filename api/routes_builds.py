@@ -7,12 +7,10 @@ from fastapi import APIRouter, HTTPException, status
 from fastapi.responses import FileResponse
 from sqlalchemy import select
 
-from profiler.calibration import CalibrationOptions
-
 from .auth import Owner
 from .catalog import ARTIFACT_SUFFIX
-from .context import ServiceDep, done_run, not_found, own_run
-from .models import BUILD_TARGETS, Build, Model, QParamsSet
+from .context import ServiceDep, check_queue, done_run, not_found, own_run
+from .models import Build, Model, QParamsSet
 from .schemas import BuildOut, BuildRequest, BuildSummary, ErrorOut, ObjectId
 from .uploads import UploadError
 
@@ -39,15 +37,12 @@ def create_build(
 ) -> BuildOut:
     """Queue an INT8 build of the run's model for ``target``; poll ``GET /api/builds/{id}``."""
     body = body or BuildRequest()
-    if body.target not in BUILD_TARGETS:
-        raise UploadError(f"unknown target {body.target!r}; use {', '.join(BUILD_TARGETS)}")
     derived = body.qparams_id is None
-    if derived:
-        CalibrationOptions(method=body.method, percentile=body.percentile)
-    elif body.model_fields_set & {"method", "percentile"}:
+    if not derived and body.model_fields_set & {"method", "percentile"}:
         raise UploadError("give qparams_id or method / percentile, not both")
     with service.db.session() as session:
         run = done_run(session, owner, run_id)
+        check_queue(session, owner, service.limits)
         if not derived:
             qparams = session.get(QParamsSet, body.qparams_id)
             if qparams is None or qparams.run_id != run_id:

@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from . import catalog
 from .auth import Owner
-from .context import ServiceDep, done_run, not_found, own_run
+from .context import ServiceDep, check_queue, done_run, not_found, own_run
 from .limits import check_run_options, check_unpacked, copy_file
 from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
@@ -88,6 +88,7 @@ def create_evaluation(
     anything is stored; poll ``GET /api/evaluations/{id}``."""
     with service.db.session() as session:
         inputs = done_run(session, owner, run_id).model.inputs
+        check_queue(session, owner, service.limits)
     limits = service.limits
     limit = limits.max_data_bytes
     check_run_options(limits, samples=form.samples)

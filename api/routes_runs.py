@@ -14,7 +14,7 @@ from profiler.exports import export
 
 from . import catalog
 from .auth import Owner
-from .context import ServiceDep, done_run, own_model, own_run
+from .context import ServiceDep, check_queue, done_run, own_model, own_run
 from .documents import load_profile, tensor_rows
 from .drift import tensor_drift
 from .limits import check_run_options, check_unpacked, copy_file
@@ -84,6 +84,7 @@ def create_run(
     dtypes, no pickles) and read through before the run is stored; poll ``GET /api/runs/{id}``."""
     with service.db.session() as session:
         inputs = own_model(session, owner, model_id).inputs
+        check_queue(session, owner, service.limits)
     _check_source(form)
     limits = service.limits
     samples = form.random or form.samples

@@ -176,15 +176,15 @@ class Live:
 
 
 @contextmanager
-def live_service(backend: str, folder: Path, limits: Limits) -> Iterator[Live]:
-    """A fresh migrated database and the app on it, with a two-slot in-process worker."""
+def live_service(backend: str, folder: Path, limits: Limits, jobs: int = 2) -> Iterator[Live]:
+    """A fresh migrated database and the app on it, with a ``jobs``-slot in-process worker."""
     with database(backend, folder) as url:
         upgrade(url)
         db = Database(url)
         owner, stranger = (create_token(db, name) for name in ("owner", "stranger"))
         db.dispose()
         storage = folder / "blobs"
-        app = create_app(url, storage=storage, jobs=2, worker_name="test", limits=limits)
+        app = create_app(url, storage=storage, jobs=jobs, worker_name="test", limits=limits)
         server = ThreadServer(app)
         clients = [client(server.url, token) for token in (owner, stranger, None)]
         try:

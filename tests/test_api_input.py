@@ -10,6 +10,7 @@ import zipfile
 from dataclasses import dataclass
 
 import numpy as np
+import psycopg
 import pytest
 from onnx import TensorProto, helper
 
@@ -19,6 +20,7 @@ import onnx_builders as mb
 from conftest import zoo_model
 from service_fixtures import (
     BACKENDS,
+    PG_ADMIN,
     Live,
     live_service,
     npz_bytes,
@@ -284,4 +286,41 @@ def test_a_job_past_the_time_limit_fails_with_the_reason(tmp_path):
         assert done["error"] == "stopped at this server's time limit for a job, 1 s"
         assert done["samples_done"] < Limits().max_samples
         assert list((live.storage / "tmp").iterdir()) == []  # the scratch folders
+        assert live.owner.get(f"/api/models/{model_id}").status_code == 200
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_cannot_fill_the_queue(backend, tmp_path):
+    """Without a worker every job stays queued: a token's third is refused (429, nothing
+    written) while another token still queues its own."""
+    with live_service(backend, tmp_path, Limits(max_queued_per_token=2), jobs=0) as live:
+        mine = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        theirs = upload_model(live.stranger, zoo_model("digits_cnn")).json()["id"]
+        for _ in range(2):
+            assert _run(random="2")(live.owner, mine).status_code == 202
+        served = Served(live, mine)
+        _refused(served, lambda api: _run(random="2")(api, mine), 429, "2 jobs of this token")
+        assert _run(random="2")(live.stranger, theirs).status_code == 202
+
+
+def test_a_lost_database_is_503_and_the_server_recovers(tmp_path):
+    """PostgreSQL drops every connection and refuses new ones: requests get 503 with
+    Retry-After (not 500); once it takes connections again, the same server serves."""
+    with live_service("postgresql", tmp_path, LIMITS, jobs=0) as live:
+        model_id = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        name = live.url.rsplit("/", 1)[1]
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                (name,),
+            )
+            try:
+                response = live.owner.get(f"/api/models/{model_id}")
+                assert response.status_code == 503, response.text
+                assert response.headers["retry-after"] == "5"
+                assert "database is unavailable" in response.json()["detail"]
+            finally:
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        # Stale pooled connections are replaced on checkout (pre-ping): no error after.
         assert live.owner.get(f"/api/models/{model_id}").status_code == 200
