@@ -101,7 +101,7 @@ def check_data(
 ) -> int:
     """Open ``spec`` (a file in ``folder``, or ``random``) for the model's inputs and read it
     through, so that a bad file fails now and not in the middle of a run; return the number of
-    samples it gives."""
+    samples it gives. Asking for more samples than the file holds is an error, not a cut."""
     specs = [InputSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in inputs]
     where = str(folder) + "/"
     try:
@@ -113,6 +113,11 @@ def check_data(
             seed=seed,
         )
         if spec != RANDOM:
+            available = open_data(where + spec, specs).num_samples  # opening reads no array
+            if samples is not None and samples > available:
+                raise CalibrationDataError(
+                    f"{samples} samples asked for, but {spec} holds {available}"
+                )
             for _ in source.batches():
                 pass
     except CalibrationDataError as err:

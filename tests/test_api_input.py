@@ -198,6 +198,11 @@ RUN_CASES = {
     "random with samples": (_run(random="4", samples="2"), 400, "'random' is the count"),
     "negative bins": (_run(random="4", bins="-1"), 422, "bins"),
     "zero samples": (_data("d.npz", _digits(), samples="0"), 422, "samples"),
+    "more samples than the data": (
+        _data("d.npz", _digits(4), samples="5"),
+        400,
+        "5 samples asked for, but d.npz holds 4",
+    ),
     "over the size limit": (_data("big.npz", _digits(1000)), 413, "the data upload"),
     "unpacks over the limit": (_data("bomb.npz", _zip_bomb()), 413, "the data file unpacked"),
     "samples over the schema's maximum": (_run(random=str(10**12)), 422, "random"),
