@@ -18,7 +18,14 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from profiler.errors import RangeprofError
 
-from . import routes_builds, routes_evaluations, routes_layers, routes_models, routes_runs
+from . import (
+    routes_builds,
+    routes_evaluations,
+    routes_layers,
+    routes_models,
+    routes_runs,
+    routes_tokens,
+)
 from .context import Service
 from .dashboard import routes as dashboard
 from .jobs import Worker
@@ -104,5 +111,6 @@ def create_app(
     app.include_router(routes_layers.router, responses=_ERRORS)
     app.include_router(routes_evaluations.router, responses=_ERRORS)
     app.include_router(routes_builds.router, responses=_ERRORS)
+    app.include_router(routes_tokens.router, responses=_ERRORS)
     dashboard.mount(app)
     return app

@@ -89,6 +89,8 @@ class Token(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime | None]  # None: never
+    revoked_at: Mapped[datetime | None]
 
 
 class Model(Base):

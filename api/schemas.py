@@ -48,6 +48,12 @@ class HealthOut(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class TokenOut(_Out):
+    name: str
+    created_at: datetime
+    expires_at: datetime | None = Field(description="null: never.")
+
+
 # Models
 
 

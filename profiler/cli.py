@@ -700,14 +700,56 @@ def db_upgrade(db: Db = None) -> None:
 def token_create(
     name: Annotated[str, typer.Argument(help="Who or what the token is for.")],
     db: Db = None,
+    expires_days: Annotated[
+        float | None, typer.Option(help="Valid this many days (default: until revoked).")
+    ] = None,
 ) -> None:
     """Create an API token and print it; it is shown only this once (only its hash is kept)."""
+    from datetime import timedelta
+
     from api.auth import create_token
+
+    expires = None if expires_days is None else timedelta(days=expires_days)
+    typer.echo(_with_database(db, lambda database: create_token(database, name, expires)))
+
+
+@token_app.command("list")
+def token_list(db: Db = None) -> None:
+    """The tokens: name, created, expires, state (valid, expired, revoked)."""
+    from api.auth import list_tokens
+
+    tokens = _with_database(db, list_tokens)
+    table = Table(title="API tokens")
+    for column in ("name", "created", "expires", "state"):
+        table.add_column(column)
+    for t in tokens:
+        expires = "never" if t["expires_at"] is None else f"{t['expires_at']:%Y-%m-%d %H:%M}"
+        table.add_row(t["name"], f"{t['created_at']:%Y-%m-%d %H:%M}", expires, t["state"])
+    _out.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="The token's name.")], db: Db = None
+) -> None:
+    """Revoke a token now: the API refuses it from then on (401)."""
+    from api.auth import revoke_token
+
+    _with_database(db, lambda database: revoke_token(database, name))
+    _err.print(f"token {name!r} revoked", highlight=False)
+
+
+def _with_database(db: str | None, work):
+    """``work(database)`` on the migrated database; its errors are one line, exit 2."""
     from api.migrate import open_database
 
     try:
         database = open_database(db)
-        typer.echo(create_token(database, name))
     except RangeprofError as err:
         raise _fail(err) from None
-    database.dispose()
+    try:
+        return work(database)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    finally:
+        database.dispose()
