@@ -80,3 +80,13 @@ def check_queue(session: Session, owner: int, limits: Limits) -> None:
             "queue more once some have run",
             headers={"Retry-After": "30"},
         )
+
+
+def cancelled(job) -> None:
+    """Cancel an owned job for a request: 409 once it has ended."""
+    from .jobs import NotCancellable, mark_cancelled
+
+    try:
+        mark_cancelled(job)
+    except NotCancellable as err:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(err)) from None

@@ -76,6 +76,32 @@ def ray_setting() -> dict | None:
     return {"address": address, "workers": int(text)}
 
 
+CANCELLED = "cancelled by its owner"
+
+
+class NotCancellable(RangeprofError):
+    """The job has ended already."""
+
+
+def mark_cancelled(job: Run | Evaluation | Build) -> None:
+    """End a queued or running job as ``cancelled``. No worker claims it then, and the worker
+    running it finds its row no longer running at its next heartbeat: it stops the process and
+    removes its scratch folder (``_Lost``)."""
+    if job.status not in ("queued", "running"):
+        raise NotCancellable(f"{job.__tablename__} {job.id} is {job.status}: nothing to cancel")
+    job.status, job.error, job.finished_at = "cancelled", CANCELLED, utcnow()
+
+
+def cancel_job(db: Database, kind: str, job_id: int) -> None:
+    """``rangeprof cancel KIND ID``: cancel any job on this database (the server's operator)."""
+    table = {t.__tablename__: t for t in _TABLES}[kind]
+    with db.session() as session:
+        job = session.get(table, job_id)
+        if job is None:
+            raise NotCancellable(f"no {kind} {job_id}")
+        mark_cancelled(job)
+
+
 class _Lost(Exception):
     """The job is no longer ours (deleted, or failed by another worker)."""
 

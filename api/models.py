@@ -36,7 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-RUN_STATUSES = ("queued", "running", "done", "failed")
+RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 BUILD_STATUSES = RUN_STATUSES
 DATA_KINDS = ("npz", "random")
 # Targets whose INT8 code runs on this host, so their error can be measured here.

@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from .auth import Owner
 from .catalog import ARTIFACT_SUFFIX
-from .context import ServiceDep, check_queue, done_run, not_found, own_run
+from .context import ServiceDep, cancelled, check_queue, done_run, not_found, own_run
 from .models import Build, Model, QParamsSet
 from .schemas import BuildOut, BuildRequest, BuildSummary, ErrorOut, ObjectId
 from .uploads import UploadError
@@ -75,6 +75,18 @@ def list_builds(service: ServiceDep, owner: Owner, run_id: ObjectId) -> list[Bui
 def get_build(service: ServiceDep, owner: Owner, build_id: ObjectId) -> BuildOut:
     """Status and progress of a build; once done, the artifact's manifest (regions with their
     profileIDs, qparams and modes) and its sha256."""
+    with service.db.session() as session:
+        return BuildOut.model_validate(_own_build(session, owner, build_id))
+
+
+@router.post(
+    "/api/builds/{build_id}/cancel",
+    responses={409: {"model": ErrorOut, "description": "The build has ended."}},
+)
+def cancel_build(service: ServiceDep, owner: Owner, build_id: ObjectId) -> BuildOut:
+    """Cancel a queued or running build (see ``POST /api/runs/{id}/cancel``)."""
+    with service.db.session() as session:
+        cancelled(_own_build(session, owner, build_id))
     with service.db.session() as session:
         return BuildOut.model_validate(_own_build(session, owner, build_id))
 

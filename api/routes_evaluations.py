@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from . import catalog
 from .auth import Owner
-from .context import ServiceDep, check_queue, done_run, not_found, own_run
+from .context import ServiceDep, cancelled, check_queue, done_run, not_found, own_run
 from .limits import check_run_options, check_unpacked, copy_file
 from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
@@ -197,6 +197,17 @@ def list_evaluations(
 def get_evaluation(service: ServiceDep, owner: Owner, evaluation_id: ObjectId) -> EvaluationOut:
     """Status and progress of an evaluation; once done, its report: per layer (by the
     profileID of its output) isolated and accumulated SQNR, worst isolated first."""
+    return _get(service, owner, evaluation_id)
+
+
+@router.post(
+    "/api/evaluations/{evaluation_id}/cancel",
+    responses={409: {"model": ErrorOut, "description": "The evaluation has ended."}},
+)
+def cancel_evaluation(service: ServiceDep, owner: Owner, evaluation_id: ObjectId) -> EvaluationOut:
+    """Cancel a queued or running evaluation (see ``POST /api/runs/{id}/cancel``)."""
+    with service.db.session() as session:
+        cancelled(_own_evaluation(session, owner, evaluation_id))
     return _get(service, owner, evaluation_id)
 
 

@@ -14,7 +14,7 @@ from profiler.exports import export
 
 from . import catalog
 from .auth import Owner
-from .context import ServiceDep, check_queue, done_run, own_model, own_run
+from .context import ServiceDep, cancelled, check_queue, done_run, own_model, own_run
 from .documents import load_profile, tensor_rows
 from .drift import tensor_drift
 from .limits import check_run_options, check_unpacked, copy_file
@@ -127,6 +127,19 @@ def list_runs(service: ServiceDep, owner: Owner, model_id: ObjectId) -> list[Run
 @router.get("/api/runs/{run_id}")
 def get_run(service: ServiceDep, owner: Owner, run_id: ObjectId) -> RunOut:
     """Status and progress of a run."""
+    with service.db.session() as session:
+        return run_out(own_run(session, owner, run_id))
+
+
+@router.post(
+    "/api/runs/{run_id}/cancel",
+    responses={409: {"model": ErrorOut, "description": "The run has ended."}},
+)
+def cancel_run(service: ServiceDep, owner: Owner, run_id: ObjectId) -> RunOut:
+    """Cancel a queued or running run: it ends ``cancelled``, its process (if any) stopped
+    within seconds and its scratch files removed."""
+    with service.db.session() as session:
+        cancelled(own_run(session, owner, run_id))
     with service.db.session() as session:
         return run_out(own_run(session, owner, run_id))
 

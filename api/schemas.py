@@ -20,7 +20,7 @@ from profiler.statistics import DEFAULT_BINS
 from .limits import DEFAULT_LIMITS as _MAX
 from .models import BUILD_TARGETS, EVALUATION_TARGETS
 
-RunStatus = Literal["queued", "running", "done", "failed"]
+RunStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 # Choices are enums in the OpenAPI document: the CLI's own tuples.
 Method = Literal[METHODS]
 Scheme = Literal[SCHEMES]

@@ -739,6 +739,21 @@ def token_revoke(
     _err.print(f"token {name!r} revoked", highlight=False)
 
 
+@app.command()
+def cancel(
+    kind: Annotated[str, typer.Argument(help="run | evaluation | build")],
+    job_id: Annotated[int, typer.Argument(metavar="ID", help="Its id.")],
+    db: Db = None,
+) -> None:
+    """Cancel a queued or running job of the service: it ends cancelled, its process stopped."""
+    from api.jobs import cancel_job
+
+    if kind not in ("run", "evaluation", "build"):
+        raise _fail(RangeprofError(f"unknown job kind {kind!r}; use run, evaluation or build"))
+    _with_database(db, lambda database: cancel_job(database, kind, job_id))
+    _err.print(f"{kind} {job_id} cancelled", highlight=False)
+
+
 def _with_database(db: str | None, work):
     """``work(database)`` on the migrated database; its errors are one line, exit 2."""
     from api.migrate import open_database

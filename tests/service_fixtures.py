@@ -199,7 +199,7 @@ def wait_for_run(api: httpx.Client, run_id: int, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         run = api.get(f"/api/runs/{run_id}").json()
-        if run["status"] in ("done", "failed"):
+        if run["status"] in ("done", "failed", "cancelled"):
             return run
         assert time.monotonic() < deadline, run
         time.sleep(0.2)

@@ -337,6 +337,20 @@ def test_pages_run_under_their_content_security_policy(browser, live, digits):
     assert problems == []
 
 
+def test_a_running_run_is_cancelled_from_the_model_page(tab, live, digits):
+    model = digits.model["id"]
+    run = start_run(live.owner, model, random=str(Limits().max_samples))["id"]
+    page = tab.page
+    page.goto(f"/dashboard/models/{model}")
+    row = page.locator(f"#runs tr[data-run-id='{run}']")
+    row.locator("button.cancel").click()
+    expect(row).to_have_attribute("data-status", "cancelled")
+    expect(row.locator(".status")).to_have_text("cancelled")
+    expect(row).to_contain_text("cancelled by its owner")
+    assert live.owner.get(f"/api/runs/{run}").json()["status"] == "cancelled"
+    assert row.locator("button.cancel").count() == 0
+
+
 def test_upload_form_adds_a_model_or_shows_the_refusal(tab, live, tmp_path):
     page = tab.page
     page.goto("/dashboard/")

@@ -102,7 +102,7 @@ async function loadRuns() {
       { "data-run-id": run.id, "data-status": run.status },
       el("td", {}, el("input", { type: "checkbox", class: "pick", value: run.id, disabled: run.status !== "done", onchange: picked })),
       el("td", { class: "num" }, el("a", { href: `${BASE}/runs/${run.id}` }, run.id)),
-      el("td", {}, statusBadge(run.status)),
+      el("td", {}, statusBadge(run.status), ACTIVE.includes(run.status) ? cancelButton(run.id) : ""),
       el("td", {}, progressBar(run.progress, progress)),
       el("td", { class: "mono" }, run.data.kind === "random" ? "random" : `${run.data.name}${run.data.key ? `:${run.data.key}` : ""}`),
       el("td", {}, runOptions(run)),
@@ -125,6 +125,15 @@ async function loadRuns() {
     refreshLayers();
   }
   return runs.some((r) => ACTIVE.includes(r.status));
+}
+
+// A queued or running run can be cancelled: it ends "cancelled", its process stopped.
+function cancelButton(runId) {
+  const cancel = async () => {
+    await api(`/api/runs/${runId}/cancel`, { method: "POST" });
+    await loadRuns();
+  };
+  return el("button", { type: "button", class: "cancel", onclick: () => cancel().catch(showError) }, "cancel");
 }
 
 function picked() {

@@ -1,0 +1,65 @@
+"""Cancelling jobs through real HTTP and the CLI, on SQLite and PostgreSQL: a queued job never
+runs, a running one's process is stopped and its scratch files removed, an ended one is 409."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from api.limits import Limits
+from profiler.cli import app as cli
+
+from conftest import zoo_model
+from service_fixtures import BACKENDS, live_service, start_run, upload_model, wait_for_run
+
+runner = CliRunner()
+
+
+def _wait(api, path: str, status: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while (job := api.get(path).json())["status"] != status:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+    return job
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_running_run_is_stopped_and_the_worker_goes_on(backend, tmp_path):
+    with live_service(backend, tmp_path, Limits(), jobs=1) as live:
+        model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        long = start_run(live.owner, model, random=str(Limits().max_samples))["id"]
+        _wait(live.owner, f"/api/runs/{long}", "running")
+        cancelled = live.owner.post(f"/api/runs/{long}/cancel")
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["status"] == "cancelled"
+        assert cancelled.json()["error"] == "cancelled by its owner"
+        # The slot is free again once its process is stopped: the next run completes.
+        after = wait_for_run(live.owner, start_run(live.owner, model, random="4")["id"])
+        assert after["status"] == "done"
+        assert live.owner.get(f"/api/runs/{long}").json()["status"] == "cancelled"
+        assert list((live.storage / "tmp").iterdir()) == []
+        ended = live.owner.post(f"/api/runs/{long}/cancel")
+        assert ended.status_code == 409
+        assert ended.json()["detail"] == f"run {long} is cancelled: nothing to cancel"
+        assert live.stranger.post(f"/api/runs/{after['id']}/cancel").status_code == 404
+
+
+def test_queued_jobs_are_cancelled_from_the_api_and_the_cli(tmp_path):
+    with live_service("sqlite", tmp_path, Limits(), jobs=0) as live:
+        model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        first, second = (start_run(live.owner, model, random="4")["id"] for _ in range(2))
+        assert live.owner.post(f"/api/runs/{first}/cancel").json()["status"] == "cancelled"
+        result = runner.invoke(cli, ["cancel", "run", str(second), "--db", live.url])
+        assert result.exit_code == 0, result.output
+        assert live.owner.get(f"/api/runs/{second}").json()["status"] == "cancelled"
+        for args, words in (
+            (["cancel", "run", str(second)], f"run {second} is cancelled: nothing to cancel"),
+            (["cancel", "job", "1"], "unknown job kind 'job'"),
+            (["cancel", "build", "99"], "no build 99"),
+        ):
+            result = runner.invoke(cli, [*args, "--db", live.url])
+            assert result.exit_code == 2 and words in result.output, result.output
+        assert live.owner.post("/api/builds/99/cancel").status_code == 404
+        assert live.owner.post("/api/evaluations/99/cancel").status_code == 404
