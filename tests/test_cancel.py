@@ -1,9 +1,13 @@
-"""Cancelling jobs through real HTTP and the CLI, on SQLite and PostgreSQL: a queued job never
-runs, a running one's process is stopped and its scratch files removed, an ended one is 409."""
+"""Jobs that end early, through real HTTP and the CLI: cancelled (on SQLite and PostgreSQL: a
+queued job never runs, a running one's process is stopped and its scratch files removed, an
+ended one is 409) or killed (the job's process dies: its run fails at once)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -63,3 +67,35 @@ def test_queued_jobs_are_cancelled_from_the_api_and_the_cli(tmp_path):
             assert result.exit_code == 2 and words in result.output, result.output
         assert live.owner.post("/api/builds/99/cancel").status_code == 404
         assert live.owner.post("/api/evaluations/99/cancel").status_code == 404
+
+
+def _job_processes() -> list[int]:
+    """This process's children running ``python -m api.execute`` (the worker's job processes)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if parent == os.getpid() and b"api.execute" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_job_process_fails_its_run_at_once(tmp_path):
+    """SIGKILL of the job's process (out of memory, say) while the worker lives: the run is
+    failed within seconds, saying so, and its scratch folder is gone."""
+    with live_service("sqlite", tmp_path, Limits(), jobs=1) as live:
+        model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        run = start_run(live.owner, model, random=str(Limits().max_samples))["id"]
+        _wait(live.owner, f"/api/runs/{run}", "running")
+        (child,) = _job_processes()
+        os.kill(child, signal.SIGKILL)
+        killed = time.monotonic()
+        failed = _wait(live.owner, f"/api/runs/{run}", "failed", timeout=5)
+        assert time.monotonic() - killed < 5
+        assert failed["error"] == "the profiling process died (exit code -9)"
+        assert list((live.storage / "tmp").iterdir()) == []
