@@ -337,8 +337,8 @@ def test_pages_run_under_their_content_security_policy(browser, live, digits):
     assert problems == []
 
 
-def test_a_running_run_is_cancelled_from_the_model_page(tab, live, digits):
-    model = digits.model["id"]
+def test_a_running_run_is_cancelled_from_the_model_page(tab, live):
+    model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]  # a model of its own
     run = start_run(live.owner, model, random=str(Limits().max_samples))["id"]
     page = tab.page
     page.goto(f"/dashboard/models/{model}")
