@@ -132,6 +132,8 @@ class Worker:
 
     def start(self) -> None:
         self.recover(own=True)
+        for folder in self.store.reap_scratch():
+            log.info("removed %s, left by a process that is gone", folder.name)
         for slot in range(self.jobs):
             thread = threading.Thread(target=self._slot, name=f"{self.name}/{slot}", daemon=True)
             thread.start()

@@ -1,10 +1,13 @@
 """Content-addressed file storage for uploads: ``<root>/<sha256[:2]>/<sha256><suffix>``.
 
 Files are written to ``<root>/tmp`` first and renamed into place, so a blob path holds either
-nothing or the complete file. The same bytes are stored once however often they are uploaded;
-:mod:`api.catalog` deletes a blob when no row refers to it any more. The root is ``--storage``,
-else ``RANGEPROF_STORAGE``, else a folder next to an SQLite database file (``<file>-blobs``) or
-in the user's data folder for other databases.
+nothing or the complete file. Scratch folders there are named by the host and process that made
+them, so that one left by a killed process is found and removed (:meth:`BlobStore.reap_scratch`,
+when a worker starts) without touching those of live processes sharing the store. The same
+bytes are stored once however often they are uploaded; :mod:`api.catalog` deletes a blob when no
+row refers to it any more. The root is ``--storage``, else ``RANGEPROF_STORAGE``, else a folder
+next to an SQLite database file (``<file>-blobs``) or in the user's data folder for other
+databases.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,11 +48,23 @@ class BlobStore:
     @contextmanager
     def scratch(self) -> Iterator[Path]:
         """A private folder on the store's file system, removed with everything in it."""
-        folder = Path(tempfile.mkdtemp(dir=self._tmp))
+        prefix = f"{socket.gethostname()}-{os.getpid()}-"
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self._tmp))
         try:
             yield folder
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def reap_scratch(self) -> list[Path]:
+        """Remove the scratch folders of this host's processes that are gone; return them."""
+        host = socket.gethostname()
+        reaped = []
+        for folder in self._tmp.iterdir():
+            owner_host, _, rest = folder.name.rpartition("-")[0].rpartition("-")
+            if owner_host == host and rest.isdigit() and not _alive(int(rest)):
+                shutil.rmtree(folder, ignore_errors=True)
+                reaped.append(folder)
+        return reaped
 
     def put_bytes(self, data: bytes, suffix: str) -> tuple[str, bool]:
         """Store ``data``; return its sha256 and whether the blob is new."""
@@ -74,3 +90,13 @@ class BlobStore:
         path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # other blobs share the folder
             path.parent.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

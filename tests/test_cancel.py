@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -99,3 +102,22 @@ def test_a_killed_job_process_fails_its_run_at_once(tmp_path):
         assert time.monotonic() - killed < 5
         assert failed["error"] == "the profiling process died (exit code -9)"
         assert list((live.storage / "tmp").iterdir()) == []
+
+
+def test_a_starting_worker_removes_the_scratch_of_dead_processes(tmp_path):
+    """Scratch folders are named by host and process: a worker starting up removes those whose
+    process is gone (a killed server's), and no other."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    scratch = tmp_path / "blobs" / "tmp"  # the store live_service makes in tmp_path
+    scratch.mkdir(parents=True)
+    host = socket.gethostname()
+    dead = scratch / f"{host}-{int(gone.stdout)}-abc123"
+    live_one = scratch / f"{host}-{os.getpid()}-def456"
+    other_host = scratch / f"elsewhere-{int(gone.stdout)}-ghi789"
+    for folder in (dead, live_one, other_host):
+        folder.mkdir()
+        (folder / "partial.npz").write_bytes(b"half")
+    with live_service("sqlite", tmp_path, Limits(), jobs=1) as live:
+        assert live.owner.get("/api/health").status_code == 200  # started, worker included
+        assert not dead.exists() and live_one.exists() and other_host.exists()
