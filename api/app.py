@@ -6,6 +6,7 @@ response with a one-line JSON ``detail``. OpenAPI is served at ``/openapi.json``
 
 from __future__ import annotations
 
+import functools
 from contextlib import asynccontextmanager
 from importlib import metadata
 from pathlib import Path
@@ -13,8 +14,11 @@ from pathlib import Path
 from fastapi import FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from profiler.errors import RangeprofError
 
@@ -82,6 +86,16 @@ def create_app(
     async def _user_error(_request: Request, err: RangeprofError) -> JSONResponse:
         return JSONResponse({"detail": str(err)}, status.HTTP_400_BAD_REQUEST)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        headers = dict(err.headers or {})
+        if err.status_code == status.HTTP_405_METHOD_NOT_ALLOWED:
+            # Starlette names only the methods of the route it tried; the path has others.
+            matching = [r for r in app.router.routes if r.matches(request.scope)[0] != Match.NONE]
+            methods = {m for r in matching for m in getattr(r, "methods", None) or ()}
+            headers["Allow"] = ", ".join(sorted(methods))
+        return JSONResponse({"detail": err.detail}, err.status_code, headers=headers)
+
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
     async def _database_gone(_request: Request, err: DBAPIError) -> JSONResponse:
@@ -113,4 +127,22 @@ def create_app(
     app.include_router(routes_builds.router, responses=_ERRORS)
     app.include_router(routes_tokens.router, responses=_ERRORS)
     dashboard.mount(app)
+    app.openapi = functools.partial(_openapi, app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, with every error response as what it is: ``ErrorOut`` as JSON (the
+    routes' own media types, text or zip, are their successes'; a 422 is one line too)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, summary=app.summary, routes=app.routes
+        )
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                for code, response in operation.get("responses", {}).items():
+                    if code[0] in "45":
+                        response["content"] = error
+        app.openapi_schema = schema
+    return app.openapi_schema

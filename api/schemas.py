@@ -63,7 +63,7 @@ class ModelUpload(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     file: UploadFile = Field(description="The .onnx file.")
-    input_shapes: str | None = Field(
+    input_shapes: str = Field(
         None,
         description="Static shapes of inputs, NAME=DIMS separated by ';' "
         "(e.g. 'x=1x3x48x192;y=1x10'), as `--input-shape` of the CLI.",
@@ -119,26 +119,27 @@ class ModelOut(ModelSummary):
 
 class RunRequest(BaseModel):
     """multipart/form-data: calibration data (an .npz upload, or ``random`` with a sample
-    count) and the options of ``rangeprof profile``."""
+    count) and the options of ``rangeprof profile``. Optional fields are left out, never null
+    (multipart has no null)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    data: UploadFile | None = Field(
+    data: UploadFile = Field(
         None, description=".npz file, one array per input, [N, *sample_shape]; no pickles."
     )
-    key: str | None = Field(
+    key: str = Field(
         None, description="Array(s) of the .npz to use, comma-separated in input order."
     )
-    random: int | None = Field(
+    random: int = Field(
         None, ge=1, le=_MAX.max_samples, description="Instead of data: this many samples."
     )
-    samples: int | None = Field(
+    samples: int = Field(
         None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
     )
     bins: int = Field(
         DEFAULT_BINS, ge=0, le=_MAX.max_bins, description="Histogram bins (0: no histograms)."
     )
-    batch_size: int | None = Field(
+    batch_size: int = Field(
         None, ge=1, le=_MAX.max_batch_size, description="Default: the model's batch."
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of random data.")
@@ -345,19 +346,19 @@ class EvaluationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     data: UploadFile = Field(description=".npz file, one array per input, [N, *sample_shape].")
-    key: str | None = Field(
+    key: str = Field(
         None, description="Array(s) of the .npz to use, comma-separated in input order."
     )
-    labels: UploadFile | None = Field(
+    labels: UploadFile = Field(
         None, description=".npz holding a 1-D integer array of labels (top-1 accuracy)."
     )
-    labels_key: str | None = Field(
+    labels_key: str = Field(
         None, description="The labels' array: in `labels`, or without it in `data`."
     )
     method: Method = "mse"
     percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
     target: EvaluationTarget = "x86"
-    samples: int | None = Field(
+    samples: int = Field(
         None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
     )
     weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
@@ -430,7 +431,18 @@ class BuildRequest(BaseModel):
     """The options of ``rangeprof build``: qparams derived from the run's profile with the
     target's policy (``method``, ``percentile``), or a stored qparams set of the run."""
 
-    model_config = ConfigDict(extra="forbid")
+    # One source of qparams: a stored set excludes method and percentile (also in the schema).
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "not": {
+                "anyOf": [
+                    {"required": ["qparams_id", "method"]},
+                    {"required": ["qparams_id", "percentile"]},
+                ]
+            }
+        },
+    )
 
     target: BuildTarget = "x86"
     method: Method = "mse"

@@ -27,13 +27,14 @@ class UploadError(RangeprofError):
 
 
 def file_stem(filename: str | None, suffix: str) -> str:
-    """The upload's file name without ``suffix``, safe as a single path component."""
+    """The upload's file name without ``suffix`` (any name will do: the content is checked),
+    safe as a single path component."""
     name = PurePosixPath((filename or "").replace("\\", "/")).name
-    if not name.lower().endswith(suffix) or len(name) == len(suffix):
-        raise UploadError(f"file name {filename!r} does not end in {suffix}")
     if len(name) > 255 or not name.isprintable():
         raise UploadError(f"file name {filename!r} is too long or has control characters")
-    return name[: -len(suffix)]
+    if name.lower().endswith(suffix):
+        name = name[: -len(suffix)]
+    return name or "upload"
 
 
 def parse_shapes(text: str | None) -> dict[str, tuple[int, ...]]:
