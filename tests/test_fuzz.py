@@ -28,8 +28,9 @@ UPLOADS = (
 )
 
 
-def _schemathesis(command: str, live, *options: str) -> str:
-    """Run schemathesis on the live server; its summary, after asserting it found nothing."""
+def _schemathesis(command: str, live, folder, *options: str) -> str:
+    """Run schemathesis on the live server, in ``folder`` (it keeps a cache where it runs); its
+    summary, after asserting it found nothing."""
     result = subprocess.run(
         [
             command, "run", f"{live.owner.base_url}/openapi.json",
@@ -42,6 +43,7 @@ def _schemathesis(command: str, live, *options: str) -> str:
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=folder,
     )  # fmt: skip
     summary = result.stdout[result.stdout.find("SUMMARY") :]
     assert result.returncode == 0, summary or result.stderr
@@ -58,9 +60,9 @@ def test_schemathesis_finds_nothing(backend, tmp_path):
         assert upload_model(live.owner, zoo_model("digits_cnn")).status_code == 201
         others = [f"--exclude-operation-id={op}" for op in UPLOADS]
         uploads = [f"--include-operation-id={op}" for op in UPLOADS]
-        summary = _schemathesis(command, live, *others)
+        summary = _schemathesis(command, live, tmp_path, *others)
         assert "Tested: 24" in summary, summary
         summary = _schemathesis(
-            command, live, *uploads, "--exclude-checks", "positive_data_acceptance"
+            command, live, tmp_path, *uploads, "--exclude-checks", "positive_data_acceptance"
         )
         assert "Tested: 3" in summary, summary
