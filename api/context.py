@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from .db import Database
-from .jobs import Worker
+from .jobs import NotCancellable, Worker, mark_cancelled
 from .limits import Limits
 from .models import Build, Evaluation, Model, Run
 from .storage import BlobStore
@@ -84,8 +84,6 @@ def check_queue(session: Session, owner: int, limits: Limits) -> None:
 
 def cancelled(job) -> None:
     """Cancel an owned job for a request: 409 once it has ended."""
-    from .jobs import NotCancellable, mark_cancelled
-
     try:
         mark_cancelled(job)
     except NotCancellable as err:

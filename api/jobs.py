@@ -94,7 +94,10 @@ def mark_cancelled(job: Run | Evaluation | Build) -> None:
 
 def cancel_job(db: Database, kind: str, job_id: int) -> None:
     """``rangeprof cancel KIND ID``: cancel any job on this database (the server's operator)."""
-    table = {t.__tablename__: t for t in _TABLES}[kind]
+    table = next((t for t in _TABLES if t.__tablename__ == kind), None)
+    if table is None:
+        kinds = ", ".join(t.__tablename__ for t in _TABLES)
+        raise NotCancellable(f"unknown job kind {kind!r}; use {kinds}")
     with db.session() as session:
         job = session.get(table, job_id)
         if job is None:

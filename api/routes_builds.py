@@ -11,7 +11,7 @@ from .auth import Owner
 from .catalog import ARTIFACT_SUFFIX
 from .context import ServiceDep, cancelled, check_queue, done_run, not_found, own_run
 from .models import Build, Model, QParamsSet
-from .schemas import BuildOut, BuildRequest, BuildSummary, ErrorOut, ObjectId
+from .schemas import ENDED, BuildOut, BuildRequest, BuildSummary, ErrorOut, ObjectId
 from .uploads import UploadError
 
 router = APIRouter(tags=["builds"])
@@ -81,7 +81,7 @@ def get_build(service: ServiceDep, owner: Owner, build_id: ObjectId) -> BuildOut
 
 @router.post(
     "/api/builds/{build_id}/cancel",
-    responses={409: {"model": ErrorOut, "description": "The build has ended."}},
+    responses=ENDED,
 )
 def cancel_build(service: ServiceDep, owner: Owner, build_id: ObjectId) -> BuildOut:
     """Cancel a queued or running build (see ``POST /api/runs/{id}/cancel``)."""

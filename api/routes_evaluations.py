@@ -14,6 +14,7 @@ from .context import ServiceDep, cancelled, check_queue, done_run, not_found, ow
 from .limits import check_run_options, check_unpacked, copy_file
 from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
+    ENDED,
     ErrorOut,
     EvaluationOut,
     EvaluationReport,
@@ -202,7 +203,7 @@ def get_evaluation(service: ServiceDep, owner: Owner, evaluation_id: ObjectId) -
 
 @router.post(
     "/api/evaluations/{evaluation_id}/cancel",
-    responses={409: {"model": ErrorOut, "description": "The evaluation has ended."}},
+    responses=ENDED,
 )
 def cancel_evaluation(service: ServiceDep, owner: Owner, evaluation_id: ObjectId) -> EvaluationOut:
     """Cancel a queued or running evaluation (see ``POST /api/runs/{id}/cancel``)."""

@@ -20,6 +20,7 @@ from .drift import tensor_drift
 from .limits import check_run_options, check_unpacked, copy_file
 from .models import QParamsSet, Run
 from .schemas import (
+    ENDED,
     CalibrationRequest,
     DriftOut,
     ErrorOut,
@@ -133,7 +134,7 @@ def get_run(service: ServiceDep, owner: Owner, run_id: ObjectId) -> RunOut:
 
 @router.post(
     "/api/runs/{run_id}/cancel",
-    responses={409: {"model": ErrorOut, "description": "The run has ended."}},
+    responses=ENDED,
 )
 def cancel_run(service: ServiceDep, owner: Owner, run_id: ObjectId) -> RunOut:
     """Cancel a queued or running run: it ends ``cancelled``, its process (if any) stopped

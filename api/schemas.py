@@ -44,6 +44,10 @@ class ErrorOut(BaseModel):
     detail: str = Field(description="What is wrong, in one line.")
 
 
+# The response of cancelling a job that has ended.
+ENDED = {409: {"model": ErrorOut, "description": "The job has ended: nothing to cancel."}}
+
+
 class HealthOut(BaseModel):
     status: Literal["ok"] = "ok"
 

@@ -25,7 +25,7 @@ Removed nodes get the fate ``qdq:<tensor>`` (their scale is that tensor's).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -280,11 +280,7 @@ class _Rewriter:
                 node.input[i] = named.get(held, held)
             for i, name in enumerate(node.output):
                 node.output[i] = named.get(name, name)
-        for e_i, e in enumerate(self.embedded):
-            if e.tensor in named:
-                self.embedded[e_i] = EmbeddedQ(
-                    named[e.tensor], e.kind, e.dtype, e.scale, e.zero_point, e.axis, e.node
-                )
+        self.embedded = [replace(e, tensor=named.get(e.tensor, e.tensor)) for e in self.embedded]
         del graph.node[:]
         graph.node.extend(kept)
         graph.initializer.extend(self.new_weights)

@@ -24,7 +24,9 @@ def _text(attr: dict, name: str, default: str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _constant(expr) -> np.ndarray | None:
+def _constant(inputs, k: int) -> np.ndarray | None:
+    """The value of input ``k`` when it is given and constant."""
+    expr = inputs[k] if len(inputs) > k else None
     if isinstance(expr, tvm.ir.GenericConst):
         return expr.value.numpy()
     return None
@@ -67,7 +69,7 @@ class Resize(_Checked):
         if not all(isinstance(d, tvm.tirx.IntImm) for d in x.ty.shape.values):
             return  # TVM's own checks apply
         dims = [int(d) for d in x.ty.shape.values]
-        scales = _constant(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else None
+        scales = _constant(inputs, 2)
         if scales is not None and scales.size == len(dims):
             for dim, scale in zip(dims, scales.tolist(), strict=True):
                 if not math.isclose(dim * scale, round(dim * scale), abs_tol=1e-6):
@@ -80,10 +82,10 @@ class Resize(_Checked):
 
 
 def _output_dims(dims: list[int], inputs) -> list[int]:
-    sizes = _constant(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
+    sizes = _constant(inputs, 3)
     if sizes is not None and sizes.size == len(dims):
         return [int(s) for s in sizes]
-    scales = _constant(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else None
+    scales = _constant(inputs, 2)
     if scales is not None and scales.size == len(dims):
         return [int(d * s) for d, s in zip(dims, scales.tolist(), strict=True)]
     return dims
@@ -110,7 +112,7 @@ class Split(OnnxOpConverter):
         stock = _stock("Split", opset)
 
         def convert(bb, inputs, attr, params):
-            given = _constant(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None
+            given = _constant(inputs, 1)
             sizes = given.tolist() if given is not None else list(attr.get("split", []))
             if 0 not in sizes:
                 return stock(bb, inputs, attr, params)
