@@ -43,7 +43,11 @@ _ERRORS = {
     401: {"model": ErrorOut, "description": "No valid bearer token."},
     404: {"model": ErrorOut, "description": "No such object among the token's own."},
     422: {"model": ErrorOut, "description": "A parameter is missing or malformed."},
-    503: {"model": ErrorOut, "description": "The database is unavailable; see Retry-After."},
+    503: {
+        "model": ErrorOut,
+        "description": "The database is unavailable, or the server is receiving as many uploads "
+        "as it takes at once; see Retry-After.",
+    },
 }
 
 

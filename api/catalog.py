@@ -29,14 +29,15 @@ _LOCK = threading.Lock()
 
 def add_model(db: Database, store: BlobStore, owner_id: int, analysis: ModelAnalysis) -> int:
     with _LOCK:
-        sha256, created = store.put_bytes(analysis.data, MODEL_SUFFIX)
+        sha256 = analysis.sha256
+        created = store.adopt(analysis.staged, sha256, MODEL_SUFFIX)
         try:
             with db.session() as session:
                 model = Model(
                     owner_id=owner_id,
                     name=analysis.name,
                     sha256=sha256,
-                    size=len(analysis.data),
+                    size=analysis.size,
                     opset=analysis.opset,
                     input_shapes=analysis.input_shapes,
                     inputs=analysis.inputs,

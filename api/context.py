@@ -4,11 +4,15 @@ token cannot learn which ids exist)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, Response, status
+from fastapi.routing import APIRoute
 from sqlalchemy import func, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .db import Database
@@ -16,6 +20,30 @@ from .jobs import NotCancellable, Worker, mark_cancelled
 from .limits import Limits
 from .models import Build, Evaluation, Model, Run
 from .storage import BlobStore
+
+log = logging.getLogger(__name__)
+
+
+class RetriedReads(APIRoute):
+    """A route whose GETs are tried once more when the database dropped their connection in
+    the middle (a restart, a killed backend): reads are idempotent, and the pool hands the
+    second try a fresh connection. Writes are not retried: a dropped one is 503."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if not self.methods <= {"GET", "HEAD"}:
+            return handler
+
+        async def retried(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except DBAPIError as err:
+                if not err.connection_invalidated:
+                    raise
+                log.warning("%s %s: database connection lost; retrying", request.method, self.path)
+                return await handler(request)
+
+        return retried
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ the uploaded file is then checked against the exact limit while it is read, and 
 the size its arrays unpack to (a small zip of zeros can unpack to gigabytes). Run options
 (samples, histogram bins, batch size): the defaults are the OpenAPI schema's ``maximum``; a
 server configured lower refuses more (422). A job's wall time: the worker stops it and fails it
-with the reason. Jobs queued per token: more is 429 until some have run.
+with the reason. Jobs queued per token: more is 429 until some have run. Uploads received at
+once: more is 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Limits:
     max_batch_size: int = 4096
     max_job_seconds: float = 3600.0  # a run, evaluation or build, then it fails with the reason
     max_queued_per_token: int = 16  # jobs waiting for a worker: one token cannot starve others
+    max_concurrent_uploads: int = 8  # requests with a file being received and checked at once
 
 
 DEFAULT_LIMITS = Limits()
@@ -78,6 +80,7 @@ class BodyLimit:
 
     def __init__(self, app: ASGIApp, limits: Limits):
         self.app, self.limits = app, limits
+        self._uploads = 0  # upload requests in progress
 
     def _limit(self, path: str) -> tuple[str, int]:
         if path == "/api/models":
@@ -98,6 +101,29 @@ class BodyLimit:
             error = _too_large(what, limit)
             await JSONResponse({"detail": error.detail}, error.status_code)(scope, receive, send)
             return
+        if scope["method"] != "POST" or limit == _OTHER_BODIES:
+            await self._receive(scope, receive, send, what, limit)
+            return
+        # Each upload holds disk space and a thread while it is received and checked: past the
+        # cap, a client retries rather than the server running out of either. The counter is
+        # only touched on the event loop's thread, so it needs no lock.
+        if self._uploads >= self.limits.max_concurrent_uploads:
+            busy = JSONResponse(
+                {"detail": f"the server is receiving {self._uploads} uploads; retry shortly"},
+                status.HTTP_503_SERVICE_UNAVAILABLE,
+                headers={"Retry-After": "2"},
+            )
+            await busy(scope, receive, send)
+            return
+        self._uploads += 1
+        try:
+            await self._receive(scope, receive, send, what, limit)
+        finally:
+            self._uploads -= 1
+
+    async def _receive(
+        self, scope: Scope, receive: Receive, send: Send, what: str, limit: int
+    ) -> None:
         received = 0
 
         async def counted() -> Message:
@@ -109,13 +135,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
-
-
-def read_file(upload: BinaryIO, what: str, limit: int) -> bytes:
-    data = upload.read(limit + 1)
-    if len(data) > limit:
-        raise _too_large(what, limit)
-    return data
 
 
 def copy_file(upload: BinaryIO, target: Path, what: str, limit: int) -> str:

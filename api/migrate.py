@@ -42,7 +42,7 @@ def upgrade(url: str) -> str:
     """Migrate the database at ``url`` to the newest revision; return that revision."""
     engine = make_engine(url)
     try:
-        with engine.begin() as connection:
+        with engine.connect() as connection:  # the migrations begin their own transaction
             config = alembic_config(url)
             config.attributes["connection"] = connection
             command.upgrade(config, "head")

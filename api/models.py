@@ -65,6 +65,11 @@ class UTCDateTime(TypeDecorator):
         return value.replace(tzinfo=UTC)
 
 
+# On SQLite, tables whose ids are in URLs never reuse the id of a deleted row: a stale link then
+# finds nothing instead of another token's newer object. (PostgreSQL sequences never reuse.)
+NEVER_REUSED = {"sqlite_autoincrement": True}
+
+
 def _in(column: str, choices: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(c) for c in choices)})"
 
@@ -84,6 +89,7 @@ class Base(DeclarativeBase):
 
 class Token(Base):
     __tablename__ = "token"
+    __table_args__ = (NEVER_REUSED,)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
@@ -95,6 +101,7 @@ class Token(Base):
 
 class Model(Base):
     __tablename__ = "model"
+    __table_args__ = (NEVER_REUSED,)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     owner_id: Mapped[int] = mapped_column(ForeignKey("token.id", ondelete="CASCADE"), index=True)
@@ -137,6 +144,7 @@ class Run(Base):
     __table_args__ = (
         CheckConstraint(_in("status", RUN_STATUSES), name="status"),
         CheckConstraint(_in("data_kind", DATA_KINDS), name="data_kind"),
+        NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -199,6 +207,7 @@ class TensorStat(Base):
 
 class QParamsSet(Base):
     __tablename__ = "qparams"
+    __table_args__ = (NEVER_REUSED,)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
@@ -214,7 +223,7 @@ class Build(Base):
     and manifest.json, zipped) is a blob at ``artifact_path`` under the store's root."""
 
     __tablename__ = "build"
-    __table_args__ = (CheckConstraint(_in("status", BUILD_STATUSES), name="status"),)
+    __table_args__ = (CheckConstraint(_in("status", BUILD_STATUSES), name="status"), NEVER_REUSED)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("model.id", ondelete="CASCADE"), index=True)
@@ -252,6 +261,7 @@ class Evaluation(Base):
     __table_args__ = (
         CheckConstraint(_in("status", RUN_STATUSES), name="status"),
         CheckConstraint(_in("source", EVALUATION_SOURCES), name="source"),
+        NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

@@ -9,12 +9,12 @@ from sqlalchemy import select
 
 from .auth import Owner
 from .catalog import ARTIFACT_SUFFIX
-from .context import ServiceDep, cancelled, check_queue, done_run, not_found, own_run
+from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
 from .models import Build, Model, QParamsSet
 from .schemas import ENDED, BuildOut, BuildRequest, BuildSummary, ErrorOut, ObjectId
 from .uploads import UploadError
 
-router = APIRouter(tags=["builds"])
+router = APIRouter(tags=["builds"], route_class=RetriedReads)
 _NOT_DONE = {409: {"model": ErrorOut, "description": "The run (or build) is not done."}}
 
 

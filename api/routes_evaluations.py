@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from . import catalog
 from .auth import Owner
-from .context import ServiceDep, cancelled, check_queue, done_run, not_found, own_run
+from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
 from .limits import check_run_options, check_unpacked, copy_file
 from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
@@ -25,7 +25,7 @@ from .schemas import (
 )
 from .uploads import UploadError, check_data, check_labels, data_spec, file_stem
 
-router = APIRouter(tags=["evaluations"])
+router = APIRouter(tags=["evaluations"], route_class=RetriedReads)
 _REFUSED = {
     400: {"model": ErrorOut},
     409: {"model": ErrorOut, "description": "The run is not done."},

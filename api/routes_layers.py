@@ -11,13 +11,13 @@ from sqlalchemy import select
 from profiler.calibration import METHODS, qparams_for
 
 from .auth import Owner
-from .context import ServiceDep, done_run, not_found, own_model
+from .context import RetriedReads, ServiceDep, done_run, not_found, own_model
 from .layer_table import calibration, layer_page, tensor_entry
 from .lineage import layer_lineage
 from .models import Layer, TensorStat
 from .schemas import ErrorOut, LayerPage, LayerQuery, LineageOut, ObjectId, TensorOut, TensorQuery
 
-router = APIRouter(tags=["layers"])
+router = APIRouter(tags=["layers"], route_class=RetriedReads)
 _BAD = {400: {"model": ErrorOut}, 409: {"model": ErrorOut, "description": "The run is not done."}}
 
 

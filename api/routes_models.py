@@ -9,13 +9,13 @@ from sqlalchemy import select
 
 from . import catalog
 from .auth import Owner
-from .context import ServiceDep, not_found, own_model
-from .limits import read_file
+from .context import RetriedReads, ServiceDep, not_found, own_model
+from .limits import copy_file
 from .models import Model
 from .schemas import ErrorOut, ModelOut, ModelSummary, ModelUpload, ObjectId
 from .uploads import analyse_model
 
-router = APIRouter(prefix="/api/models", tags=["models"])
+router = APIRouter(prefix="/api/models", tags=["models"], route_class=RetriedReads)
 
 
 @router.post(
@@ -30,9 +30,12 @@ def upload_model(
 ) -> ModelOut:
     """Upload an ONNX model; it is loaded and tracked (as ``rangeprof inspect``) before
     anything is stored, and the response lists its layers with their profileIDs."""
-    data = read_file(form.file.file, "the model file", service.limits.max_model_bytes)
-    analysis = analyse_model(data, form.file.filename, form.input_shapes)
-    model_id = catalog.add_model(service.db, service.store, owner, analysis)
+    with service.store.scratch() as folder:
+        staged = folder / "model.onnx"
+        limit = service.limits.max_model_bytes
+        sha256 = copy_file(form.file.file, staged, "the model file", limit)
+        analysis = analyse_model(staged, sha256, form.file.filename, form.input_shapes)
+        model_id = catalog.add_model(service.db, service.store, owner, analysis)
     with service.db.session() as session:
         return ModelOut.model_validate(own_model(session, owner, model_id))
 

@@ -14,7 +14,7 @@ from profiler.exports import export
 
 from . import catalog
 from .auth import Owner
-from .context import ServiceDep, cancelled, check_queue, done_run, own_model, own_run
+from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, own_model, own_run
 from .documents import load_profile, tensor_rows
 from .drift import tensor_drift
 from .limits import check_run_options, check_unpacked, copy_file
@@ -35,7 +35,7 @@ from .schemas import (
 )
 from .uploads import UploadError, check_data, data_spec, file_stem
 
-router = APIRouter(tags=["runs"])
+router = APIRouter(tags=["runs"], route_class=RetriedReads)
 _CONFLICT = {409: {"model": ErrorOut, "description": "The run is not done."}}
 _JSON_FORMATS = ("aimet", "ort-json")
 

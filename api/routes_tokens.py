@@ -6,11 +6,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Response, status
 
 from .auth import Owner
-from .context import ServiceDep
+from .context import RetriedReads, ServiceDep
 from .models import Token, utcnow
 from .schemas import TokenOut
 
-router = APIRouter(prefix="/api/token", tags=["tokens"])
+router = APIRouter(prefix="/api/token", tags=["tokens"], route_class=RetriedReads)
 
 
 @router.get("")

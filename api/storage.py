@@ -13,7 +13,6 @@ databases.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import socket
@@ -65,16 +64,6 @@ class BlobStore:
                 shutil.rmtree(folder, ignore_errors=True)
                 reaped.append(folder)
         return reaped
-
-    def put_bytes(self, data: bytes, suffix: str) -> tuple[str, bool]:
-        """Store ``data``; return its sha256 and whether the blob is new."""
-        sha256 = hashlib.sha256(data).hexdigest()
-        if self.path(sha256, suffix).exists():
-            return sha256, False
-        with self.scratch() as folder:
-            staged = folder / "blob"
-            staged.write_bytes(data)
-            return sha256, self.adopt(staged, sha256, suffix)
 
     def adopt(self, staged: Path, sha256: str, suffix: str) -> bool:
         """Move a complete file whose sha256 is known into the store; tell whether it is new."""

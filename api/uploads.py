@@ -56,7 +56,9 @@ class ModelAnalysis:
     """What the service keeps of an uploaded model."""
 
     name: str
-    data: bytes
+    staged: Path  # the checked file, in a scratch folder, for the store to adopt
+    sha256: str
+    size: int
     opset: int
     input_shapes: dict[str, list[int]]  # as given
     inputs: list[dict]  # as loaded: {name, shape, dtype}
@@ -64,7 +66,10 @@ class ModelAnalysis:
     stages: list[dict]
 
 
-def analyse_model(data: bytes, filename: str | None, shapes_text: str | None) -> ModelAnalysis:
+def analyse_model(
+    staged: Path, sha256: str, filename: str | None, shapes_text: str | None
+) -> ModelAnalysis:
+    """Load and track the uploaded model streamed to ``staged`` (its hash ``sha256``)."""
     # Imported here: TVM takes seconds to import, and a server or worker that receives no
     # upload need not pay for it.
     from profiler.onnx_load import load_model_bytes
@@ -73,12 +78,15 @@ def analyse_model(data: bytes, filename: str | None, shapes_text: str | None) ->
     name = file_stem(filename, ".onnx")
     shapes = parse_shapes(shapes_text)
     with _MODEL_LOCK:
-        # No base_dir: external data outside the uploaded file is refused.
-        loaded = load_model_bytes(data, f"{name}.onnx", shapes)
+        # No base_dir: external data outside the uploaded file is refused. The bytes are read
+        # here, under the lock, so that one model at a time is in memory.
+        loaded = load_model_bytes(staged.read_bytes(), f"{name}.onnx", shapes)
         tracked = track(loaded).to_json()
     return ModelAnalysis(
         name=name,
-        data=data,
+        staged=staged,
+        sha256=sha256,
+        size=staged.stat().st_size,
         opset=loaded.opset,
         input_shapes={k: list(v) for k, v in shapes.items()},
         inputs=[

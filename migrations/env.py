@@ -22,10 +22,19 @@ def _url() -> str:
 
 
 def _online(connection) -> None:
-    # SQLite alters tables by copying them ("batch" mode).
-    _configure(connection=connection, render_as_batch=connection.dialect.name == "sqlite")
+    sqlite = connection.dialect.name == "sqlite"
+    if sqlite:
+        # SQLite alters a table by copying it and dropping the old one ("batch" mode); with
+        # foreign keys on, that drop deletes every row referring to it (ON DELETE CASCADE).
+        # The pragma only takes effect outside a transaction, hence the driver connection.
+        connection.connection.driver_connection.execute("PRAGMA foreign_keys=OFF")
+    _configure(connection=connection, render_as_batch=sqlite)
     with context.begin_transaction():
         context.run_migrations()
+        if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first():
+            raise RuntimeError("the migration left rows whose foreign keys point nowhere")
+    if sqlite:
+        connection.connection.driver_connection.execute("PRAGMA foreign_keys=ON")
 
 
 if context.is_offline_mode():

@@ -634,6 +634,9 @@ def serve(
     max_job_minutes: Annotated[
         float, typer.Option(min=0, help="Wall time of a run, evaluation or build; then it fails.")
     ] = 60,
+    max_uploads: Annotated[
+        int, typer.Option(min=1, help="Uploads received at once; more are told to retry (503).")
+    ] = 8,
 ) -> None:
     """Run the REST API, with a worker for its runs unless --jobs 0."""
     import logging
@@ -645,7 +648,10 @@ def serve(
     from api.limits import MB, Limits
 
     limits = Limits(
-        int(max_model_mb * MB), int(max_data_mb * MB), max_job_seconds=60 * max_job_minutes
+        int(max_model_mb * MB),
+        int(max_data_mb * MB),
+        max_job_seconds=60 * max_job_minutes,
+        max_concurrent_uploads=max_uploads,
     )
     try:
         service = create_app(

@@ -95,7 +95,12 @@ def test_a_killed_job_process_fails_its_run_at_once(tmp_path):
         model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
         run = start_run(live.owner, model, random=str(Limits().max_samples))["id"]
         _wait(live.owner, f"/api/runs/{run}", "running")
-        (child,) = _job_processes()
+        # A claimed job is ``running`` a moment before its process starts: wait for the process.
+        deadline = time.monotonic() + 30
+        while not (children := _job_processes()):
+            assert time.monotonic() < deadline, "no job process started"
+            time.sleep(0.05)
+        (child,) = children
         os.kill(child, signal.SIGKILL)
         killed = time.monotonic()
         failed = _wait(live.owner, f"/api/runs/{run}", "failed", timeout=5)

@@ -15,7 +15,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
 from typer.testing import CliRunner
 
-from api.db import make_engine
+from api.db import Database, make_engine
 from api.migrate import alembic_config, head
 from api.models import Base, Token
 from profiler.cli import app as cli
@@ -95,3 +95,60 @@ def test_token_is_printed_once_and_stored_as_a_hash(empty_db):
     assert stored == [("alice", hashlib.sha256(token.encode()).hexdigest())]
     again = CliRunner().invoke(cli, ["token", "create", "alice", "--db", empty_db])
     assert again.exit_code == 2 and "exists already" in again.stderr
+
+
+# One row per table, as the schema of revision 0006 takes it (before the migrations that copy
+# tables on SQLite).
+_ROWS_AT_0006 = {
+    "token": "(id, name, token_hash, created_at) VALUES (1, 'a', 'h', '2026-01-01')",
+    "model": "(id, owner_id, name, sha256, size, opset, input_shapes, inputs, stages, created_at) "
+    "VALUES (1, 1, 'm', 's', 1, 13, '{}', '[]', '[]', '2026-01-01')",
+    "layer": "(model_id, position, profile_id, kind, op, dtype) VALUES (1, 0, 'p', 'k', 'o', 'f')",
+    "run": "(id, model_id, status, data_kind, bins, seed, progress, samples_done, created_at) "
+    "VALUES (1, 1, 'done', 'random', 8, 0, 1.0, 4, '2026-01-01')",
+    "tensor_stat": "(run_id, position, profile_id, kind, op, dtype, static, stats) "
+    "VALUES (1, 0, 'p', 'k', 'o', 'f', false, '{}')",
+    "qparams": "(run_id, options, document, created_at) VALUES (1, '{}', '{}', '2026-01-01')",
+    "build": "(model_id, target, status, created_at, progress, weight_bits) "
+    "VALUES (1, 'x86', 'done', '2026-01-01', 1.0, 8)",
+    "evaluation": "(run_id, source, status, method, target, progress, created_at, weight_bits) "
+    "VALUES (1, 'service', 'done', 'max', 'x86', 1.0, '2026-01-01', 8)",
+}
+
+
+def test_migrations_keep_every_row_both_ways(empty_db):
+    """Migrations that copy a table (SQLite) must not cascade-delete the rows referring to it."""
+    engine = make_engine(empty_db)
+    try:
+        with engine.connect() as connection:
+            config = alembic_config(empty_db)
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0006")
+            connection.commit()
+        with engine.begin() as connection:
+            for table, values in _ROWS_AT_0006.items():
+                connection.exec_driver_sql(f"INSERT INTO {table} {values}")
+    finally:
+        engine.dispose()
+    assert set(row_counts(empty_db).values()) == {1}
+    rangeprof("db", "upgrade", "--db", empty_db)
+    assert set(row_counts(empty_db).values()) == {1}
+    command.downgrade(alembic_config(empty_db), "0006")
+    assert set(row_counts(empty_db).values()) == {1}
+
+
+def test_ids_of_deleted_objects_are_never_reused(empty_db):
+    rangeprof("db", "upgrade", "--db", empty_db)
+    db = Database(empty_db)
+    try:
+        ids = []
+        for name in ("first", "second"):
+            with db.session() as session:
+                token = Token(name=name, token_hash=name)
+                session.add(token)
+                session.flush()
+                ids.append(token.id)
+                session.delete(token)
+        assert ids[1] > ids[0]
+    finally:
+        db.dispose()
