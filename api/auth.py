@@ -98,7 +98,7 @@ def current_owner(
     """The id of the token the request presents; 401 without a valid one."""
     if credentials is None:
         raise _unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
-    with service.db.session() as session:
+    with service.db.read() as session:
         token = session.scalar(
             select(Token).where(Token.token_hash == token_hash(credentials.credentials))
         )

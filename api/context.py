@@ -13,7 +13,7 @@ from fastapi import Depends, HTTPException, Request, Response, status
 from fastapi.routing import APIRoute
 from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from .db import Database
 from .jobs import NotCancellable, Worker, mark_cancelled
@@ -65,8 +65,11 @@ def not_found(what: str, id_: int) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, f"{what} {id_} not found")
 
 
-def own_model(session: Session, owner: int, model_id: int) -> Model:
-    model = session.get(Model, model_id)
+def own_model(session: Session, owner: int, model_id: int, *, layers: bool = False) -> Model:
+    """The token's model; with ``layers``, its layers loaded here, in the same session, and not
+    later by whatever reads the attribute (a response model's validation)."""
+    options = [selectinload(Model.layers)] if layers else []
+    model = session.get(Model, model_id, options=options)
     if model is None or model.owner_id != owner:
         raise not_found("model", model_id)
     return model

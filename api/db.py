@@ -2,9 +2,11 @@
 
 The URL comes from ``--db``, else ``RANGEPROF_DB``, else an SQLite file in the user's data
 folder. SQLite runs in WAL mode (readers never wait for the writer) with foreign keys on, and
-every transaction starts with ``BEGIN IMMEDIATE``: a transaction that reads and then writes
-would otherwise fail with "database is locked" instead of waiting when another connection
-wrote in between. PostgreSQL URLs use psycopg 3.
+every transaction of :meth:`Database.session` starts with ``BEGIN IMMEDIATE``: a transaction
+that reads and then writes would otherwise fail with "database is locked" instead of waiting
+when another connection wrote in between. :meth:`Database.read` transactions only read, and
+start with a plain ``BEGIN``: they do not queue behind each other for the write lock. PostgreSQL
+URLs use psycopg 3. The pool holds as many connections as the server has request threads.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import QueuePool
 
 from profiler.errors import RangeprofError
 
 ENV_URL = "RANGEPROF_DB"
 _SQLITE_BUSY_TIMEOUT_S = 30
+# anyio's default of 40 threads runs the sync request handlers: one connection each at most.
+_POOL = {"pool_size": 8, "max_overflow": 32}
+_READ_ONLY = "rangeprof_read_only"  # execution option of Database.read's connections
 
 
 class DatabaseUrlError(RangeprofError):
@@ -53,7 +59,9 @@ def make_engine(url: str) -> Engine:
         raise DatabaseUrlError(f"malformed database URL {url!r}") from None
     backend = parsed.get_backend_name()
     if backend == "postgresql":
-        return create_engine(parsed.set(drivername="postgresql+psycopg"), pool_pre_ping=True)
+        return create_engine(
+            parsed.set(drivername="postgresql+psycopg"), pool_pre_ping=True, **_POOL
+        )
     if backend != "sqlite":
         raise DatabaseUrlError(
             f"unsupported database {backend!r} in {parsed.render_as_string()!r}; "
@@ -65,7 +73,9 @@ def make_engine(url: str) -> Engine:
             "give a file, e.g. sqlite:///rangeprof.db"
         )
     Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(parsed, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_S})
+    engine = create_engine(
+        parsed, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_S}, poolclass=QueuePool, **_POOL
+    )
 
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, _record):
@@ -77,7 +87,8 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _begin(connection):
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        read_only = connection.get_execution_options().get(_READ_ONLY, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
 
@@ -89,11 +100,19 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        reader = self.engine.execution_options(**{_READ_ONLY: True})
+        self._readers = sessionmaker(reader, expire_on_commit=False)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
         """One transaction: committed when the block ends, rolled back if it raises."""
         with self._sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A transaction that only reads (the GET routes): on SQLite it takes no write lock."""
+        with self._readers.begin() as session:
             yield session
 
     def dispose(self) -> None:

@@ -86,7 +86,7 @@ def layer_page(db: Database, model_id: int, run: Run | None, query: LayerQuery) 
         )
     column = _SORT[query.sort]
     ordered = column.desc() if query.order == "desc" else column.asc()
-    with db.session() as session:
+    with db.read() as session:
         total = session.scalar(select(func.count()).select_from(Layer).where(*where))
         rows = session.execute(
             select(Layer, TensorStat)

@@ -65,7 +65,7 @@ def create_build(
 @router.get("/api/runs/{run_id}/builds")
 def list_builds(service: ServiceDep, owner: Owner, run_id: ObjectId) -> list[BuildSummary]:
     """The run's builds without their manifests."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         own_run(session, owner, run_id)
         builds = session.scalars(select(Build).where(Build.run_id == run_id).order_by(Build.id))
         return [BuildSummary.model_validate(b) for b in builds]
@@ -75,7 +75,7 @@ def list_builds(service: ServiceDep, owner: Owner, run_id: ObjectId) -> list[Bui
 def get_build(service: ServiceDep, owner: Owner, build_id: ObjectId) -> BuildOut:
     """Status and progress of a build; once done, the artifact's manifest (regions with their
     profileIDs, qparams and modes) and its sha256."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         return BuildOut.model_validate(_own_build(session, owner, build_id))
 
 
@@ -99,7 +99,7 @@ def cancel_build(service: ServiceDep, owner: Owner, build_id: ObjectId) -> Build
 def get_artifact(service: ServiceDep, owner: Owner, build_id: ObjectId) -> FileResponse:
     """The artifact: a zip of ``model.so`` and ``manifest.json``, as ``rangeprof build`` writes
     them to its ``--out`` folder."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         build = _own_build(session, owner, build_id)
         if build.status != "done":
             why = f": {build.error}" if build.error else ""

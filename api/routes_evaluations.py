@@ -98,7 +98,9 @@ def create_evaluation(
         data_sha = copy_file(form.data.file, folder / data_name, "the data file", limit)
         check_unpacked(folder / data_name, "the data file", limits.max_unpacked_bytes)
         spec = data_spec(data_name, form.key)
-        count = check_data(folder, spec, inputs, samples=form.samples, seed=0)
+        count = check_data(
+            folder, spec, inputs, samples=form.samples, seed=0, max_samples=limits.max_samples
+        )
         staged = {data_sha: folder / data_name}
         labels_name = labels_sha = labels_key = None
         if form.labels is not None:
@@ -186,7 +188,7 @@ def list_evaluations(
     service: ServiceDep, owner: Owner, run_id: ObjectId
 ) -> list[EvaluationSummary]:
     """The run's evaluations without their per-layer reports."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         own_run(session, owner, run_id)
         evaluations = session.scalars(
             select(Evaluation).where(Evaluation.run_id == run_id).order_by(Evaluation.id)

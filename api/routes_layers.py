@@ -31,7 +31,7 @@ def list_layers(
 ) -> LayerPage:
     """The model's layers matching ``q``, sorted and paged; with ``run``, each row has the run's
     min/max and the scale each calibration method suggests."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         own_model(session, owner, model_id)
         run = None if query.run is None else done_run(session, owner, query.run)
     if run is not None and run.model_id != model_id:
@@ -46,7 +46,7 @@ def get_tensor(
     """One tensor of a run: its profile entry (histogram, per-channel ranges) and the clipping
     range and scale of every calibration method."""
     options = {method: calibration(query, method) for method in METHODS}
-    with service.db.session() as session:
+    with service.db.read() as session:
         run = done_run(session, owner, run_id)
         stat = session.scalar(
             select(TensorStat).where(
@@ -72,7 +72,7 @@ def get_lineage(
     profile_id: Annotated[str, Query(description="An initial profileID of the model.")],
 ) -> LineageOut:
     """What the layer became after each stage, and what each of those bindings holds."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         model = own_model(session, owner, model_id)
         known = session.scalar(
             select(Layer.id).where(Layer.model_id == model_id, Layer.profile_id == profile_id)

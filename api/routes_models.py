@@ -37,20 +37,20 @@ def upload_model(
         analysis = analyse_model(staged, sha256, form.file.filename, form.input_shapes)
         model_id = catalog.add_model(service.db, service.store, owner, analysis)
     with service.db.session() as session:
-        return ModelOut.model_validate(own_model(session, owner, model_id))
+        return ModelOut.model_validate(own_model(session, owner, model_id, layers=True))
 
 
 @router.get("")
 def list_models(service: ServiceDep, owner: Owner) -> list[ModelSummary]:
-    with service.db.session() as session:
+    with service.db.read() as session:
         models = session.scalars(select(Model).where(Model.owner_id == owner).order_by(Model.id))
         return [ModelSummary.model_validate(m) for m in models]
 
 
 @router.get("/{model_id}")
 def get_model(service: ServiceDep, owner: Owner, model_id: ObjectId) -> ModelOut:
-    with service.db.session() as session:
-        return ModelOut.model_validate(own_model(session, owner, model_id))
+    with service.db.read() as session:
+        return ModelOut.model_validate(own_model(session, owner, model_id, layers=True))
 
 
 @router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT)

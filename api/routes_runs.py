@@ -98,7 +98,9 @@ def create_run(
             sha256 = copy_file(form.data.file, staged, "the data file", limits.max_data_bytes)
             check_unpacked(staged, "the data file", limits.max_unpacked_bytes)
         spec = data_spec(name, form.key)
-        check_data(folder, spec, inputs, samples=samples, seed=form.seed)
+        check_data(
+            folder, spec, inputs, samples=samples, seed=form.seed, max_samples=limits.max_samples
+        )
         run = Run(
             model_id=model_id,
             data_kind="random" if spec == RANDOM else "npz",
@@ -119,7 +121,7 @@ def create_run(
 
 @router.get("/api/models/{model_id}/runs")
 def list_runs(service: ServiceDep, owner: Owner, model_id: ObjectId) -> list[RunOut]:
-    with service.db.session() as session:
+    with service.db.read() as session:
         own_model(session, owner, model_id)
         runs = session.scalars(select(Run).where(Run.model_id == model_id).order_by(Run.id))
         return [run_out(run) for run in runs]
@@ -128,7 +130,7 @@ def list_runs(service: ServiceDep, owner: Owner, model_id: ObjectId) -> list[Run
 @router.get("/api/runs/{run_id}")
 def get_run(service: ServiceDep, owner: Owner, run_id: ObjectId) -> RunOut:
     """Status and progress of a run."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         return run_out(own_run(session, owner, run_id))
 
 
@@ -148,7 +150,7 @@ def cancel_run(service: ServiceDep, owner: Owner, run_id: ObjectId) -> RunOut:
 @router.get("/api/runs/{run_id}/profile", response_model=ProfileDocument, responses=_CONFLICT)
 def get_profile(service: ServiceDep, owner: Owner, run_id: ObjectId) -> JSONResponse:
     """The profile JSON, exactly as ``rangeprof profile`` writes it."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         doc = load_profile(session, done_run(session, owner, run_id))
     return JSONResponse(doc)
 
@@ -167,7 +169,7 @@ def export_run(
 ) -> PlainTextResponse:
     """The run's ranges in another tool's format, as ``rangeprof export`` writes them."""
     options = _calibration(query)
-    with service.db.session() as session:
+    with service.db.read() as session:
         doc = load_profile(session, done_run(session, owner, run_id))
     media = "application/json" if query.format in _JSON_FORMATS else "text/plain"
     return PlainTextResponse(export(doc, query.format, options), media_type=media)
@@ -193,7 +195,7 @@ def create_qparams(
 
 @router.get("/api/runs/{run_id}/qparams")
 def list_qparams(service: ServiceDep, owner: Owner, run_id: ObjectId) -> list[QParamsOut]:
-    with service.db.session() as session:
+    with service.db.read() as session:
         own_run(session, owner, run_id)
         sets = session.scalars(
             select(QParamsSet).where(QParamsSet.run_id == run_id).order_by(QParamsSet.id)
@@ -204,7 +206,7 @@ def list_qparams(service: ServiceDep, owner: Owner, run_id: ObjectId) -> list[QP
 @router.get("/api/runs/{a}/compare/{b}", responses=_CONFLICT)
 def compare_runs(service: ServiceDep, owner: Owner, a: ObjectId, b: ObjectId) -> DriftOut:
     """Per-profileID drift from run ``a`` to run ``b``: range change, histogram distance."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         rows = [tensor_rows(session, done_run(session, owner, r).id) for r in (a, b)]
     theirs = {row.profile_id: row for row in rows[1]}
     ours = {row.profile_id for row in rows[0]}

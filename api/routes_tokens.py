@@ -16,7 +16,7 @@ router = APIRouter(prefix="/api/token", tags=["tokens"], route_class=RetriedRead
 @router.get("")
 def get_token(service: ServiceDep, owner: Owner) -> TokenOut:
     """The presented token's name and dates."""
-    with service.db.session() as session:
+    with service.db.read() as session:
         return TokenOut.model_validate(session.get(Token, owner))
 
 

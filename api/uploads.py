@@ -6,6 +6,7 @@ profile`` would, against the model's inputs). Every problem is a
 
 from __future__ import annotations
 
+import math
 import threading
 import zipfile
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from profiler.errors import CalibrationDataError, InputShapeError, RangeprofErro
 # onnxsim, inside load_model_bytes, is not thread-safe (it sets environment variables), and
 # TVM's pass context is global: one model is loaded and tracked at a time per process.
 _MODEL_LOCK = threading.Lock()
-_CHECK_BATCH = 64  # samples per read while checking data
+_CHECK_BYTES = 8 << 20  # read per batch while checking data
 
 
 class UploadError(RangeprofError):
@@ -106,29 +107,42 @@ def data_spec(filename: str | None, key: str | None) -> str:
 
 
 def check_data(
-    folder: Path, spec: str, inputs: list[dict], *, samples: int | None, seed: int
+    folder: Path,
+    spec: str,
+    inputs: list[dict],
+    *,
+    samples: int | None,
+    seed: int,
+    max_samples: int,
 ) -> int:
     """Open ``spec`` (a file in ``folder``, or ``random``) for the model's inputs and read it
     through, so that a bad file fails now and not in the middle of a run; return the number of
-    samples it gives. Asking for more samples than the file holds is an error, not a cut."""
+    samples it gives. Asking for more samples than the file holds is an error, not a cut; so is
+    a file holding more than ``max_samples`` when no count is asked for."""
     specs = [InputSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in inputs]
     where = str(folder) + "/"
     try:
+        if spec == RANDOM:
+            return open_data(spec, specs, samples=samples, seed=seed).num_samples
+        whole = open_data(where + spec, specs)  # opening reads no array
+        available = whole.num_samples
+        if samples is not None and samples > available:
+            raise CalibrationDataError(f"{samples} samples asked for, but {spec} holds {available}")
+        if samples is None and available > max_samples:
+            raise CalibrationDataError(
+                f"{spec} holds {available} samples, over this server's limit of {max_samples} "
+                "per run: give a count in field 'samples'"
+            )
+        # Read in batches of a few MB whatever the sample size: checking holds no more.
+        sample_bytes = sum(np.dtype(i.dtype).itemsize * math.prod(i.sample_shape) for i in specs)
         source = open_data(
-            spec if spec == RANDOM else where + spec,
+            where + spec,
             specs,
-            batch_size=_CHECK_BATCH,
+            batch_size=max(1, _CHECK_BYTES // max(1, sample_bytes)),
             samples=samples,
-            seed=seed,
         )
-        if spec != RANDOM:
-            available = open_data(where + spec, specs).num_samples  # opening reads no array
-            if samples is not None and samples > available:
-                raise CalibrationDataError(
-                    f"{samples} samples asked for, but {spec} holds {available}"
-                )
-            for _ in source.batches():
-                pass
+        for _ in source.batches():
+            pass
     except CalibrationDataError as err:
         raise CalibrationDataError(str(err).replace(where, "")) from None
     return source.num_samples

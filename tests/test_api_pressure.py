@@ -1,0 +1,231 @@
+"""The service under pressure, through real HTTP: a 1 GB upload streams through in bounded server
+memory, uploads past the server's cap are told to retry while reads go on, a data file over the
+sample limit needs a count, a file name that is not UTF-8 is stored safely, and reads survive
+database connections killed under them (PostgreSQL)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psycopg
+import pytest
+
+from api.limits import MB, Limits
+
+import onnx_builders as mb
+from conftest import zoo_model
+from service_fixtures import (
+    PG_ADMIN,
+    client,
+    database,
+    free_port,
+    live_service,
+    rangeprof,
+    serve,
+    upload_model,
+    write_calib,
+)
+
+_BOUNDARY = "rangeprof-test-boundary"
+
+
+def _multipart(field: str, filename: bytes, parts: Iterator[bytes]) -> Iterator[bytes]:
+    """A multipart/form-data body with one file, sent as it is produced (chunked)."""
+    yield (
+        f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="{field}"; filename="'.encode()
+        + filename
+        + b'"\r\nContent-Type: application/octet-stream\r\n\r\n'
+    )
+    yield from parts
+    yield f"\r\n--{_BOUNDARY}--\r\n".encode()
+
+
+def _post_streamed(api: httpx.Client, path: str, body: Iterator[bytes]) -> httpx.Response:
+    headers = {"Content-Type": f"multipart/form-data; boundary={_BOUNDARY}"}
+    return api.post(path, content=body, headers=headers)
+
+
+def _wide_model(folder: Path, width: int) -> Path:
+    """Relu of one float32 input ``x`` of shape [1, width]."""
+    node = mb.helper.make_node("Relu", ["x"], ["y"], name="relu")
+    return mb.save(mb.single_io_model([node], {}, [1, width], [1, width]), folder)
+
+
+def _write_npz(path: Path, samples: int, width: int) -> None:
+    """An .npz holding ``calib`` of shape [samples, width], written a chunk at a time."""
+    rng = np.random.default_rng(0)
+    chunk = rng.standard_normal((64, width), dtype=np.float32)
+    header = {"descr": "<f4", "fortran_order": False, "shape": (samples, width)}
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive,
+        archive.open("calib.npy", "w", force_zip64=True) as member,
+    ):
+        np.lib.format.write_array_header_2_0(member, header)
+        for start in range(0, samples, len(chunk)):
+            member.write(chunk[: samples - start].tobytes())
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_1gb_data_upload_streams_through_bounded_server_memory(tmp_path):
+    """A 1000 MB .npz goes to a `rangeprof serve` process and is received, hashed, stored and
+    read through for its check: the server's resident memory grows by less than 64 MB."""
+    width, samples = 65536, 4000  # 256 KiB a sample, 1000 MiB in all
+    data = tmp_path / "big.npz"
+    _write_npz(data, samples, width)
+    assert data.stat().st_size > 1000 * MB
+    with database("sqlite", tmp_path) as url:
+        rangeprof("db", "upgrade", "--db", url)
+        token = rangeprof("token", "create", "owner", "--db", url).strip()
+        port = free_port()
+        server = serve(url, tmp_path / "blobs", port, tmp_path / "serve.log", "--jobs", "0")
+        try:
+            api = client(f"http://127.0.0.1:{port}", token)
+            model = upload_model(api, _wide_model(tmp_path, width))
+            assert model.status_code == 201, model.text
+            runs = f"/api/models/{model.json()['id']}/runs"
+            small = tmp_path / "small.npz"
+            _write_npz(small, 16, width)  # warms every code path the big upload takes
+            with small.open("rb") as f:
+                warm = api.post(runs, files={"data": f})
+            assert warm.status_code == 202, warm.text
+            baseline = peak = _rss(server.process.pid)
+            done = threading.Event()
+
+            def sample() -> None:
+                nonlocal peak
+                while not done.wait(0.01):
+                    peak = max(peak, _rss(server.process.pid))
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                with data.open("rb") as f:
+                    response = api.post(runs, files={"data": f}, timeout=600)
+            finally:
+                done.set()
+                sampler.join()
+            assert response.status_code == 202, response.text
+            assert response.json()["data"]["name"] == "big.npz"
+            assert peak - baseline < 64 * MB, f"RSS grew by {(peak - baseline) / MB:.0f} MB"
+            api.close()
+        finally:
+            server.stop()
+
+
+def test_uploads_past_the_cap_are_told_to_retry_while_reads_go_on(tmp_path):
+    with live_service("sqlite", tmp_path, Limits(max_concurrent_uploads=1), jobs=0) as live:
+        model = zoo_model("digits_cnn").read_bytes()
+        release = threading.Event()
+
+        def slow_parts() -> Iterator[bytes]:
+            yield model[: len(model) // 2]
+            release.wait(60)
+            yield model[len(model) // 2 :]
+
+        first: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: first.append(
+                _post_streamed(
+                    live.owner, "/api/models", _multipart("file", b"m.onnx", slow_parts())
+                )
+            )
+        )
+        sender.start()
+        try:
+            deadline = time.monotonic() + 30
+            while (busy := upload_model(live.stranger, zoo_model("digits_cnn"))).status_code != 503:
+                assert time.monotonic() < deadline, "the cap never applied"
+                time.sleep(0.05)  # the first upload's headers may not have arrived yet
+                busy.raise_for_status()  # ...but then this one is served: 201
+                pytest.fail("an upload was taken while another was in progress")
+            assert busy.headers["retry-after"] == "2"
+            assert busy.json()["detail"] == "the server is receiving 1 uploads; retry shortly"
+            assert live.owner.get("/api/models").status_code == 200  # reads are not uploads
+        finally:
+            release.set()
+            sender.join()
+        assert first[0].status_code == 201, first[0].text
+        assert upload_model(live.stranger, zoo_model("digits_cnn")).status_code == 201
+
+
+def test_a_data_file_over_the_sample_limit_needs_a_count(tmp_path):
+    with live_service("sqlite", tmp_path, Limits(max_samples=10), jobs=0) as live:
+        model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        calib = write_calib(tmp_path, count=16)
+        runs = f"/api/models/{model}/runs"
+        refused = live.owner.post(runs, files={"data": (calib.name, calib.read_bytes())})
+        assert refused.status_code == 400
+        assert refused.json()["detail"] == (
+            "calib.npz holds 16 samples, over this server's limit of 10 per run: give a count "
+            "in field 'samples'"
+        )
+        taken = live.owner.post(
+            runs, files={"data": (calib.name, calib.read_bytes())}, data={"samples": "8"}
+        )
+        assert taken.status_code == 202 and taken.json()["options"]["samples"] == 8
+
+
+def test_a_file_name_that_is_not_utf8_is_stored_safely(tmp_path):
+    with live_service("sqlite", tmp_path, Limits(), jobs=0) as live:
+        model = zoo_model("digits_cnn").read_bytes()
+        body = _multipart("file", "modèle".encode("latin-1") + b"\xff.onnx", iter([model]))
+        response = _post_streamed(live.owner, "/api/models", body)
+        assert response.status_code == 201, response.text
+        name = response.json()["name"]
+        assert name.isprintable() and name.encode("utf-8")  # JSON-safe text
+        listed = live.owner.get("/api/models").json()
+        assert [m["name"] for m in listed] == [name]
+        control = _multipart("file", b"a\x07b.onnx", iter([model]))
+        refused = _post_streamed(live.owner, "/api/models", control)
+        assert refused.status_code == 400 and "control characters" in refused.json()["detail"]
+
+
+def test_reads_survive_database_connections_killed_under_them(tmp_path):
+    """PostgreSQL terminates the service's connections again and again while clients read: a
+    read that loses its connection is tried once more on a fresh one, so none fails."""
+    with live_service("postgresql", tmp_path, Limits(), jobs=0) as live:
+        model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+        run = live.owner.post(f"/api/models/{model}/runs", data={"random": "2"}).json()["id"]
+        name = live.url.rsplit("/", 1)[1]
+        stop, kills = threading.Event(), []
+
+        def kill() -> None:
+            with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+                while not stop.wait(0.05):
+                    killed = admin.execute(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = %s AND pid <> pg_backend_pid()",
+                        (name,),
+                    ).fetchone()[0]
+                    kills.append(killed)
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        statuses = []
+        try:
+            for _ in range(60):
+                for path in (
+                    f"/api/models/{model}",
+                    "/api/models",
+                    f"/api/models/{model}/runs",
+                    f"/api/runs/{run}",
+                    "/api/token",
+                ):
+                    statuses.append(live.owner.get(path).status_code)
+        finally:
+            stop.set()
+            killer.join()
+        assert sum(kills) > 20  # connections were in fact killed under the reads
+        assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
