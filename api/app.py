@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from . import (
     routes_builds,

@@ -15,7 +15,7 @@ from fastapi import Depends, HTTPException, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from .context import ServiceDep
 from .db import Database

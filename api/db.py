@@ -23,7 +23,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import QueuePool
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 ENV_URL = "RANGEPROF_DB"
 _SQLITE_BUSY_TIMEOUT_S = 30

@@ -2,10 +2,9 @@
 value distributions are.
 
 The histogram distance is the Jensen-Shannon distance (base 2, so within [0, 1]) of the two
-histograms after re-binning both to the coarser of their bin widths. Bins are aligned to
-multiples of a power-of-two width (:mod:`profiler.statistics`), so re-binning is exact; it
-works on the occupied bins only, so two ranges far apart cost no memory.
-"""
+histograms after re-binning both to the coarser of their bin widths. Bins are aligned to multiples
+of a power-of-two width (:mod:`rangeprof.profiler.profiling.statistics`), so re-binning is exact; it
+works on the occupied bins only, so two ranges far apart cost no memory."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import math
 
 import numpy as np
 
-from profiler.statistics import Histogram
+from rangeprof.profiler.profiling.statistics import Histogram
 
 from .schemas import Range, TensorDrift
 
@@ -46,7 +45,8 @@ def _kl(p: np.ndarray, m: np.ndarray) -> float:
 
 
 def tensor_drift(profile_id: str, kind: str, a: dict, b: dict) -> TensorDrift:
-    """``a`` and ``b`` are the tensor's ``stats`` in each run (see :mod:`api.models`)."""
+    """``a`` and ``b`` are the tensor's ``stats`` in each run (see
+    :mod:`rangeprof.service.models`)."""
 
     def shift(key: str) -> float | None:
         return None if a[key] is None or b[key] is None else b[key] - a[key]

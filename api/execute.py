@@ -1,6 +1,6 @@
 """The job process: each run executes ``profile_model``, each evaluation ``evaluate`` and each
-build ``build_artifact`` of :mod:`byoc_plugins`, in a child process of its worker (``python -m
-api.execute``).
+build ``build_artifact`` of :mod:`rangeprof.byoc`, in a child process of its worker (``python -m
+rangeprof.service.execute``).
 
 Why a process per job: jobs stay isolated from each other and from the server — onnxsim and the
 build cache's stderr muting touch process-wide state, TVM sizes its thread pool per process, a
@@ -45,14 +45,15 @@ class Job:
     # ("FILE.npz:KEY" or None) and profile (the profile document's file). BUILD: target and
     # either method, percentile and profile, or qparams (a QPARAMS document's file).
     options: dict
-    # PROFILE on a Ray cluster: profile_distributed's address and workers (api.jobs.ray_setting).
+    # PROFILE on a Ray cluster: profile_distributed's address and workers
+    # (rangeprof.service.jobs.ray_setting).
     ray: dict | None = None
 
 
 def start(job: Job, folder: Path) -> subprocess.Popen:
     """Start the child for ``job`` in ``folder``; its stdout carries the answers."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "api.execute"],
+        [sys.executable, "-m", "rangeprof.service.execute"],
         cwd=folder,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -73,7 +74,7 @@ def _main() -> None:
         answers.write(json.dumps(message) + "\n")
         answers.flush()
 
-    from profiler.errors import RangeprofError
+    from rangeprof.profiler.errors import RangeprofError
 
     try:
         result = {PROFILE: _profile, EVALUATE: _evaluate, BUILD: _build}[job.task](job, answer)
@@ -91,11 +92,11 @@ def _shapes(job: Job) -> dict[str, tuple[int, ...]]:
 
 
 def _profile(job: Job, answer: Callable[..., None]) -> dict:
-    from profiler.profiling import ProfileOptions, profile_model
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     run = profile_model
     if job.ray:
-        from profiler.distributed import profile_distributed
+        from rangeprof.profiler.profiling.distributed import profile_distributed
 
         run = functools.partial(profile_distributed, **job.ray)
     return run(
@@ -111,9 +112,9 @@ def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
     """``rangeprof evaluate --profile P --method M --json`` for one method."""
     import numpy as np
 
-    from byoc_plugins.evaluate import evaluate
-    from byoc_plugins.plugin import get_plugin
-    from byoc_plugins.quantized import qparams_from_profile, quantize_model
+    from rangeprof.byoc.evaluate import evaluate
+    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
 
     options = job.options
     profile = json.loads(Path(options["profile"]).read_text())
@@ -145,9 +146,9 @@ def _build(job: Job, answer: Callable[..., None]) -> dict:
     import time
     import zipfile
 
-    from byoc_plugins.artifact import LIBRARY, MANIFEST, build_artifact
-    from byoc_plugins.plugin import get_plugin
-    from byoc_plugins.quantized import qparams_from_profile, quantize_model
+    from rangeprof.byoc.artifact import LIBRARY, MANIFEST, build_artifact
+    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
 
     options = job.options
     plugin = get_plugin(options["target"], options["weight_bits"])

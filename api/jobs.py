@@ -1,13 +1,12 @@
 """The worker: takes queued jobs from the database and executes them off the request path.
 
-Jobs are profiling runs (``run`` rows), evaluations (``evaluation`` rows) and INT8 builds
-(``build`` rows), taken in that order.
-The worker runs inside the server (``rangeprof serve``, ``--jobs`` slots) or on its own
-(``rangeprof worker``), any number of them on one database. Each slot thread claims a queued job
-with an atomic ``UPDATE ... WHERE status = 'queued'`` (two workers never get the same job),
-executes it in a child process (:mod:`api.execute`), writes its progress and a heartbeat to the
-job's row at most every half second, and stores the result (the profile, the evaluation report,
-the build's artifact and manifest) when it is done.
+Jobs are profiling runs (``run`` rows), evaluations (``evaluation`` rows) and INT8 builds (``build``
+rows), taken in that order. The worker runs inside the server (``rangeprof serve``, ``--jobs``
+slots) or on its own (``rangeprof worker``), any number of them on one database. Each slot thread
+claims a queued job with an atomic ``UPDATE ... WHERE status = 'queued'`` (two workers never get the
+same job), executes it in a child process (:mod:`rangeprof.service.execute`), writes its progress
+and a heartbeat to the job's row at most every half second, and stores the result (the profile, the
+evaluation report, the build's artifact and manifest) when it is done.
 
 No job stays ``running`` forever. A worker starting up fails the jobs it held before a crash
 (its name is the same: ``serve@HOST:PORT`` for the server's own worker) with "server stopped
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from sqlalchemy import select, update
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from . import catalog, execute
 from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
@@ -45,7 +44,8 @@ from .storage import BlobStore, storage_root
 from .uploads import data_spec
 
 STOPPED = "server stopped while the run was running"
-# Profiling runs on a Ray cluster (profiler.distributed): `local` or its address, and the workers.
+# Profiling runs on a Ray cluster (rangeprof.profiler.profiling.distributed): `local` or its
+# address, and the workers.
 ENV_RAY, ENV_RAY_WORKERS = "RANGEPROF_RAY", "RANGEPROF_RAY_WORKERS"
 _WRITE_EVERY_S = 0.5
 # What a worker executes, in the order it looks for queued jobs.
@@ -67,7 +67,9 @@ def ray_setting() -> dict | None:
     address = os.environ.get(ENV_RAY)
     if not address:
         return None
-    from profiler.distributed import require_ray  # here: it brings TVM, which only runs need
+    from rangeprof.profiler.profiling.distributed import (
+        require_ray,  # here: it brings TVM, which only runs need
+    )
 
     text = os.environ.get(ENV_RAY_WORKERS, "2")
     if not (text.isdigit() and int(text) > 0):

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from sqlalchemy import and_, func, or_, select
 
-from profiler.calibration import METHODS, CalibrationOptions, qparams_for
+from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, qparams_for
 
 from .db import Database
 from .documents import IDENTITY

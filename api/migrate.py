@@ -1,11 +1,12 @@
 """Schema migrations (Alembic): upgrade a database to head, or check that it is there.
 
-The scripts live in ``migrations/`` next to this package (the repository root of an editable
-install), which is also where ``alembic upgrade head`` finds them through ``alembic.ini``.
+The scripts are the package ``rangeprof.migrations`` (the repository's ``migrations/``, where
+``alembic upgrade head`` from the repository root finds them through ``alembic.ini``).
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from alembic import command
@@ -15,11 +16,11 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from .db import Database, database_url, make_engine
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "migrations"
+SCRIPTS = Path(str(resources.files("rangeprof.migrations")))  # installed with the package
 
 
 class SchemaError(RangeprofError):

@@ -42,7 +42,7 @@ DATA_KINDS = ("npz", "random")
 # Targets whose INT8 code runs on this host, so their error can be measured here.
 EVALUATION_TARGETS = ("x86", "npu")
 EVALUATION_SOURCES = ("service", "report")
-# byoc_plugins.plugin.TARGETS, without importing TVM into the server.
+# rangeprof.byoc.plugin.TARGETS, without importing TVM into the server.
 BUILD_TARGETS = ("x86", "aarch64", "npu")
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 
-from profiler.calibration import METHODS, qparams_for
+from rangeprof.profiler.calibrate.methods import METHODS, qparams_for
 
 from .auth import Owner
 from .context import RetriedReads, ServiceDep, done_run, not_found, own_model

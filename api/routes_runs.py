@@ -8,9 +8,9 @@ from fastapi import APIRouter, Form, HTTPException, Query, status
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import select
 
-from profiler.calibration import CalibrationOptions, calibrate
-from profiler.data import RANDOM
-from profiler.exports import export
+from rangeprof.profiler.calibrate.methods import CalibrationOptions, calibrate
+from rangeprof.profiler.export.formats import export
+from rangeprof.profiler.profiling.data import RANDOM
 
 from . import catalog
 from .auth import Owner

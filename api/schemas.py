@@ -1,9 +1,9 @@
 """Request and response bodies of the REST API (pydantic 2); OpenAPI is generated from these.
 
 Calibration choices (method, scheme, dtype, granularity, export format) are checked by
-:class:`profiler.calibration.CalibrationOptions` and :func:`profiler.exports.export`, so the API
-accepts exactly what the CLI accepts and reports the same messages.
-"""
+:class:`rangeprof.profiler.calibrate.methods.CalibrationOptions` and
+:func:`rangeprof.profiler.export.formats.export`, so the API accepts exactly what the CLI accepts
+and reports the same messages."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 from fastapi import Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
-from profiler.calibration import DTYPES, GRANULARITIES, METHODS, SCHEMES
-from profiler.exports import FORMATS
-from profiler.statistics import DEFAULT_BINS
+from rangeprof.profiler.calibrate.methods import DTYPES, GRANULARITIES, METHODS, SCHEMES
+from rangeprof.profiler.export.formats import FORMATS
+from rangeprof.profiler.profiling.statistics import DEFAULT_BINS
 
 from .limits import DEFAULT_LIMITS as _MAX
 from .models import BUILD_TARGETS, EVALUATION_TARGETS

@@ -3,12 +3,10 @@
 Files are written to ``<root>/tmp`` first and renamed into place, so a blob path holds either
 nothing or the complete file. Scratch folders there are named by the host and process that made
 them, so that one left by a killed process is found and removed (:meth:`BlobStore.reap_scratch`,
-when a worker starts) without touching those of live processes sharing the store. The same
-bytes are stored once however often they are uploaded; :mod:`api.catalog` deletes a blob when no
-row refers to it any more. The root is ``--storage``, else ``RANGEPROF_STORAGE``, else a folder
-next to an SQLite database file (``<file>-blobs``) or in the user's data folder for other
-databases.
-"""
+when a worker starts) without touching those of live processes sharing the store. The same bytes are
+stored once however often they are uploaded; :mod:`rangeprof.service.catalog` deletes a blob when no
+row refers to it any more. The root is ``--storage``, else ``RANGEPROF_STORAGE``, else a folder next
+to an SQLite database file (``<file>-blobs``) or in the user's data folder for other databases."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checking uploads before anything is stored: the ONNX model (loaded and tracked exactly as
 ``rangeprof inspect`` does) and calibration data (opened and read through as ``rangeprof
 profile`` would, against the model's inputs). Every problem is a
-:class:`~profiler.errors.RangeprofError` naming the uploaded file, never a server path.
+:class:`~rangeprof.profiler.errors.RangeprofError` naming the uploaded file, never a server path.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from profiler.data import RANDOM, InputSpec, open_data
-from profiler.errors import CalibrationDataError, InputShapeError, RangeprofError
+from rangeprof.profiler.errors import CalibrationDataError, InputShapeError, RangeprofError
+from rangeprof.profiler.profiling.data import RANDOM, InputSpec, open_data
 
 # onnxsim, inside load_model_bytes, is not thread-safe (it sets environment variables), and
 # TVM's pass context is global: one model is loaded and tracked at a time per process.
@@ -40,7 +40,7 @@ def file_stem(filename: str | None, suffix: str) -> str:
 
 def parse_shapes(text: str | None) -> dict[str, tuple[int, ...]]:
     """``"x=1x3x48x192;y=1x10"`` -> ``{"x": (1, 3, 48, 192), "y": (1, 10)}``."""
-    from profiler.onnx_load import parse_input_shape
+    from rangeprof.profiler.ir.onnx_load import parse_input_shape
 
     shapes: dict[str, tuple[int, ...]] = {}
     for part in (text or "").split(";"):
@@ -73,8 +73,8 @@ def analyse_model(
     """Load and track the uploaded model streamed to ``staged`` (its hash ``sha256``)."""
     # Imported here: TVM takes seconds to import, and a server or worker that receives no
     # upload need not pay for it.
-    from profiler.onnx_load import load_model_bytes
-    from profiler.tracking import track
+    from rangeprof.profiler.ir.onnx_load import load_model_bytes
+    from rangeprof.profiler.ir.tracking import track
 
     name = file_stem(filename, ".onnx")
     shapes = parse_shapes(shapes_text)

@@ -1,4 +1,5 @@
-"""FP32 latency of our CPU build (profiler.schedules.build) against onnxruntime, same process.
+"""FP32 latency of our CPU build (rangeprof.profiler.build.schedules.build) against onnxruntime,
+same process.
 
 For each shared model: cold build time, median latency (of block medians) over ``--runs`` runs
 after warm-up, the same for onnxruntime's CPUExecutionProvider with default options (the two
@@ -31,9 +32,9 @@ import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from profiler.importer import import_onnx  # noqa: E402
-from profiler.onnx_load import load_model  # noqa: E402
-from profiler.schedules import build  # noqa: E402
+from rangeprof.profiler.build.schedules import build  # noqa: E402
+from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
+from rangeprof.profiler.ir.onnx_load import load_model  # noqa: E402
 
 
 def interleaved_blocks_ms(fns: dict, runs: int, block: int = 5) -> dict[str, list[float]]:

@@ -1,4 +1,5 @@
-"""INT8 vs FP32 kernels of our CPU build (profiler.schedules.build), one layer shape at a time.
+"""INT8 vs FP32 kernels of our CPU build (rangeprof.profiler.build.schedules.build), one layer shape
+at a time.
 
 For each shape (ResNet-18 3×3 convs, a 1×1, a MobileNetV2 depthwise 3×3, the 512→1000
 classifier): our FP32 kernel, our INT8 kernel alone (8-bit × int8 → int32) and with the
@@ -37,10 +38,10 @@ _clock = time.thread_time if SINGLE else time.perf_counter
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from byoc_plugins.lowering import requantize  # noqa: E402
-from byoc_plugins.plugin import get_plugin  # noqa: E402
-from byoc_plugins.policy import ActivationQ  # noqa: E402
-from profiler.schedules import build, host_target  # noqa: E402
+from rangeprof.byoc.lowering import requantize  # noqa: E402
+from rangeprof.byoc.plugin import get_plugin  # noqa: E402
+from rangeprof.byoc.policy import ActivationQ  # noqa: E402
+from rangeprof.profiler.build.schedules import build, host_target  # noqa: E402
 
 # name: (channels in, channels out, size, kernel, stride, groups); kernel 0 is a dense layer.
 SHAPES = {

@@ -2,9 +2,9 @@
 
 For each model: a profile on ``--samples`` seeded random samples (``rangeprof profile --data
 random``), qparams from it with the x86 policy (``--method``), our INT8 builds
-(``byoc_plugins``: x86 plugin, fast CPU path) with 8-bit weights and with 7-bit weights
+(``rangeprof.byoc``: x86 plugin, fast CPU path) with 8-bit weights and with 7-bit weights
 (``--weight-bits 7``: on x86 without VNNI, ``vpmaddubsw`` instead of ``vpmaddwd``), our FP32
-build (``profiler.schedules.build``), onnxruntime FP32, and onnxruntime INT8
+build (``rangeprof.profiler.build.schedules.build``), onnxruntime FP32, and onnxruntime INT8
 (``quantize_static``: QDQ, per-channel int8 weights, uint8 activations, calibrated (MinMax) on
 the same samples, after its recommended ``quant_pre_process``). Latency over ``--runs`` runs of
 one more random input, and each INT8 model's output SQNR against its own FP32 model on
@@ -36,7 +36,7 @@ MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count()))
 
-import profiler  # noqa: E402, F401, I001  (before onnxruntime.quantization: tests/conftest.py)
+import rangeprof  # noqa: E402, F401, I001  (before onnxruntime.quantization: tests/conftest.py)
 import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
 from onnxruntime import quantization as ortq  # noqa: E402
@@ -47,13 +47,13 @@ from benchmarks.fp32_latency import (  # noqa: E402
     median_ms,
     round_ratio,
 )
-from byoc_plugins.plugin import get_plugin  # noqa: E402
-from byoc_plugins.quantized import qparams_from_profile, quantize_model  # noqa: E402
-from profiler.data import model_inputs, open_data  # noqa: E402
-from profiler.importer import import_onnx  # noqa: E402
-from profiler.onnx_load import load_model  # noqa: E402
-from profiler.profiling import ProfileOptions, profile_model  # noqa: E402
-from profiler.schedules import build, host_target  # noqa: E402
+from rangeprof.byoc.plugin import get_plugin  # noqa: E402
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model  # noqa: E402
+from rangeprof.profiler.profiling.data import model_inputs, open_data  # noqa: E402
+from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
+from rangeprof.profiler.ir.onnx_load import load_model  # noqa: E402
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model  # noqa: E402
+from rangeprof.profiler.build.schedules import build, host_target  # noqa: E402
 
 
 def _sqnr(ref: list[np.ndarray], got: list[np.ndarray]) -> float:

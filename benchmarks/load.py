@@ -64,7 +64,7 @@ def _database(backend: str, folder: Path):
 
 
 def _rangeprof(*args: str) -> str:
-    command = [sys.executable, "-m", "profiler", *args]
+    command = [sys.executable, "-m", "rangeprof", *args]
     return subprocess.run(command, check=True, capture_output=True, text=True).stdout
 
 
@@ -79,7 +79,7 @@ def _server(url: str, folder: Path):
     port = _free_port()
     log = (folder / "serve.log").open("w")
     args = ["serve", "--db", url, "--port", str(port), "--storage", str(folder / "blobs")]
-    process = subprocess.Popen([sys.executable, "-m", "profiler", *args], stdout=log, stderr=log)
+    process = subprocess.Popen([sys.executable, "-m", "rangeprof", *args], stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -13,7 +13,7 @@ shared: the minimum is the least disturbed figure):
 * ``plain``: the uninstrumented program (``fold_scales=False``, the arithmetic profiling keeps);
 * ``program``: the profiling program's ``main`` (model + statistics kernels);
 * ``totals``: adding the program's vectors to the running totals, as ``profile_model`` does
-  (:class:`~profiler.stats_kernel.Totals`);
+  (:class:`~rangeprof.profiler.profiling.stats_kernel.Totals`);
 * ``inputs``: the numpy statistics of the model inputs;
 
 and, from one instrumented pass (``vm.set_instrument``; its callbacks add their own overhead,
@@ -35,16 +35,17 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from profiler import executor, statistics, stats_kernel
-from profiler.build_cache import BuildCache
-from profiler.data import model_inputs, open_data
-from profiler.importer import import_onnx
-from profiler.onnx_load import load_model
-from profiler.passes import observe_statistics
-from profiler.profiling import ProfileOptions, _Builder
-from profiler.schedules import build
-from profiler.statistics import TensorStats
-from profiler.stats_kernel import Totals
+from rangeprof.profiler.build import executor
+from rangeprof.profiler.build.cache import BuildCache
+from rangeprof.profiler.build.schedules import build
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.ir.passes import observe_statistics
+from rangeprof.profiler.profiling import statistics, stats_kernel
+from rangeprof.profiler.profiling.data import model_inputs, open_data
+from rangeprof.profiler.profiling.run import ProfileOptions, _Builder
+from rangeprof.profiler.profiling.statistics import TensorStats
+from rangeprof.profiler.profiling.stats_kernel import Totals
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

@@ -42,8 +42,8 @@ def _model(name: str) -> Path:
 
 
 def _batches(name: str, samples: int, data: str = "random") -> list[dict]:
-    from profiler.data import model_inputs, open_data
-    from profiler.onnx_load import load_model
+    from rangeprof.profiler.ir.onnx_load import load_model
+    from rangeprof.profiler.profiling.data import model_inputs, open_data
 
     source = open_data(data, model_inputs(load_model(_model(name))), samples=samples)
     return list(source.batches())
@@ -68,9 +68,9 @@ def fig_fp32(name: str, runs: int = 40) -> dict:
     import tvm
     from tvm import relax
 
-    from profiler.importer import import_onnx
-    from profiler.onnx_load import load_model
-    from profiler.schedules import build
+    from rangeprof.profiler.build.schedules import build
+    from rangeprof.profiler.ir.importer import import_onnx
+    from rangeprof.profiler.ir.onnx_load import load_model
 
     mod = import_onnx(load_model(_model(name))).mod
     start = time.perf_counter()
@@ -101,8 +101,8 @@ def fig_ort_fp32(name: str, runs: int = 40) -> dict:
 
 
 def fig_profile(name: str, samples: int, bins: int, cache: str, data: str) -> dict:
-    from profiler.build_cache import BuildCache
-    from profiler.profiling import ProfileOptions, profile_model
+    from rangeprof.profiler.build.cache import BuildCache
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     start = time.perf_counter()
     doc = profile_model(

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import ray
 
-from profiler.distributed import profile_distributed
-from profiler.profile import tensors_bytes
-from profiler.profiling import ProfileOptions, profile_model
+from rangeprof.profiler.profiling.distributed import profile_distributed
+from rangeprof.profiler.profiling.document import tensors_bytes
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 SAMPLES = {"digits_cnn": 4000, "resnet18": 96}

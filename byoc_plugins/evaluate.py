@@ -1,7 +1,7 @@
 """How much accuracy INT8 costs, per model and per layer (keyed by profileID).
 
-Three programs built from one :class:`~byoc_plugins.quantized.QuantizedModel`, each exposing
-every region's output (:func:`~byoc_plugins.lowering.lower` with ``expose``):
+Three programs built from one :class:`~rangeprof.byoc.quantized.QuantizedModel`, each exposing
+every region's output (:func:`~rangeprof.byoc.lowering.lower` with ``expose``):
 
 * **fp32**: every region FP32 — the reference, layer by layer;
 * **int8**: the regions as deployed (``modes``: INT8, or FP32 where kept) — *accumulated* error:
@@ -27,8 +27,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from profiler.data import model_inputs, open_data
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.profiling.data import model_inputs, open_data
 
 from .lowering import FP32, INT8, SHADOW
 from .quantized import QuantizedModel
@@ -164,10 +164,11 @@ def evaluate(
     progress: Progress | None = None,
     compiled: dict | None = None,
 ) -> Evaluation:
-    """FP32 vs INT8 on ``data`` (a :func:`profiler.data.open_data` spec); regions whose output
-    profileID is in ``kept_fp32`` stay FP32. ``compiled`` caches programs across calls: the
-    FP32 and shadow programs do not depend on ``kept_fp32``, and the FP32 one not on the
-    qparams either (:meth:`~byoc_plugins.quantized.QuantizedModel.replanned` models share it)."""
+    """FP32 vs INT8 on ``data`` (a :func:`rangeprof.profiler.profiling.data.open_data` spec);
+    regions whose output profileID is in ``kept_fp32`` stay FP32. ``compiled`` caches programs
+    across calls: the FP32 and shadow programs do not depend on ``kept_fp32``, and the FP32 one not
+    on the qparams either (:meth:`~rangeprof.byoc.quantized.QuantizedModel.replanned` models share
+    it)."""
     loaded = qm.imported.loaded
     batch = next(iter(loaded.input_shapes.values()))[0]
     source = open_data(data, model_inputs(loaded.facts), batch_size=batch, samples=samples)

@@ -16,8 +16,8 @@ regions stay in 8 bits, and dequantize / quantize pairs are left only where an F
 sits between them.
 
 How the core is compiled is the target's business: inline in ``main`` for the LLVM targets (x86,
-aarch64: :mod:`profiler.schedules` gives the integer convolutions their kernels), or as a
-function of its own marked ``Codegen`` for an external code generator (npu).
+aarch64: :mod:`rangeprof.profiler.build.schedules` gives the integer convolutions their kernels), or
+as a function of its own marked ``Codegen`` for an external code generator (npu).
 
 Modes per region: ``int8``; ``fp32`` (the composite's FP32 body inline: a fallback, or the FP32
 reference); ``shadow`` (FP32 downstream, and the INT8 core computed on the same FP32 input on the
@@ -35,7 +35,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from profiler.spans import with_ids
+from rangeprof.profiler.ir.spans import with_ids
 
 from .patterns import CONV2D
 from .policy import (
@@ -323,7 +323,7 @@ def lower(
     expose: bool = False,
     external: str | None = None,
 ) -> tuple[tvm.IRModule, list[str]]:
-    """``mod`` (partitioned, :func:`~byoc_plugins.regions.partition`) with each region lowered
+    """``mod`` (partitioned, :func:`~rangeprof.byoc.regions.partition`) with each region lowered
     by its mode (default ``int8``, ``fp32`` for regions without qparams); returns the module and
     the profileIDs of the exposed outputs."""
     for name, mode in (modes or {}).items():

@@ -1,12 +1,11 @@
 """Pattern tables: the FP32 subgraphs a plugin offloads, with their constraint checks.
 
 A region is ``conv2d`` (dense, depthwise or grouped; NCHW / OIHW) or ``matmul`` with a constant
-float32 weight, then optionally a constant per-output-channel bias add, then optionally a ReLU
-or a ``Clip`` (``maximum(·, lo)`` followed by ``minimum(·, hi)``, as ReLU6 is after
-``profiler.schedules.prepare``). Patterns are listed longest first: ``FuseOpsByPattern`` takes
-the first that matches. :func:`read_region` reads a matched composite function back into a
-:class:`FloatRegion`.
-"""
+float32 weight, then optionally a constant per-output-channel bias add, then optionally a ReLU or a
+``Clip`` (``maximum(·, lo)`` followed by ``minimum(·, hi)``, as ReLU6 is after
+``rangeprof.profiler.build.schedules.prepare``). Patterns are listed longest first:
+``FuseOpsByPattern`` takes the first that matches. :func:`read_region` reads a matched composite
+function back into a :class:`FloatRegion`."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, wildcard
 
-from profiler.spans import ids_of
+from rangeprof.profiler.ir.spans import ids_of
 
 CONV2D = "conv2d"
 MATMUL = "matmul"

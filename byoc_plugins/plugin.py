@@ -4,7 +4,7 @@ A plugin is three things (after the RFC's BYOC split):
 
 * its **pattern table** — which FP32 subgraphs it offloads (:mod:`.patterns`, with constraint
   checks);
-* its **quantization policy** (:class:`~byoc_plugins.policy.QuantPolicy`);
+* its **quantization policy** (:class:`~rangeprof.byoc.policy.QuantPolicy`);
 * its **code generator** — how the lowered module (:mod:`.lowering`) becomes a runnable
   artifact: ``compile(mod) -> tvm.runtime.Executable`` for the plugin's target,
   ``export(executable, path)`` writing the shared library (a cross compiler for other
@@ -22,7 +22,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from .policy import QuantPolicy
 
@@ -53,7 +53,7 @@ def get_plugin(name: str, weight_bits: int | None = None) -> Plugin:
     ``weight_bits`` (7 or 8) when given."""
     if name not in TARGETS:
         raise RangeprofError(f"unknown target {name!r}; expected one of {', '.join(TARGETS)}")
-    plugin = importlib.import_module(f"byoc_plugins.{name}").PLUGIN
+    plugin = importlib.import_module(f"rangeprof.byoc.{name}").PLUGIN
     if weight_bits is None or weight_bits == plugin.policy.weight_bits:
         return plugin
     return replace(plugin, policy=replace(plugin.policy, weight_bits=weight_bits))

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiler.calibration import CalibrationOptions
-from profiler.errors import RangeprofError
+from rangeprof.profiler.calibrate.methods import CalibrationOptions
+from rangeprof.profiler.errors import RangeprofError
 
 WEIGHT_BITS = (7, 8)
 FIXED_POINT, FLOAT = "fixed_point", "float"

@@ -15,13 +15,13 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from profiler.calibration import calibrate
-from profiler.errors import RangeprofError
-from profiler.importer import ImportedModel, import_onnx
-from profiler.lineage import Tracked
-from profiler.onnx_load import load_model
-from profiler.passes.fold_scale_axis import FoldScaleAxis
-from profiler.schedules.prepare import prepare
+from rangeprof.profiler.build.schedules.prepare import prepare
+from rangeprof.profiler.calibrate.methods import calibrate
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.ir.importer import ImportedModel, import_onnx
+from rangeprof.profiler.ir.lineage import Tracked
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.ir.passes.fold_scale_axis import FoldScaleAxis
 
 from .lowering import lower
 from .plugin import Plugin

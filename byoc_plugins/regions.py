@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
-from profiler.errors import RangeprofError
-from profiler.lineage import Tracked, function_lineage
-from profiler.spans import ids_of
-from profiler.tagging import INPUT_PREFIX, LayerRecord
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.ir.lineage import Tracked, function_lineage
+from rangeprof.profiler.ir.spans import ids_of
+from rangeprof.profiler.ir.tagging import INPUT_PREFIX, LayerRecord
 
 from .patterns import FloatRegion, read_region
 from .policy import ActivationQ

@@ -1,12 +1,13 @@
-"""Alembic environment: the service's metadata, on the connection ``api.migrate`` passes in, or
-on the URL of ``alembic.ini``'s ``sqlalchemy.url``, ``RANGEPROF_DB`` or the default database."""
+"""Alembic environment: the service's metadata, on the connection ``rangeprof.service.migrate``
+passes in, or on the URL of ``alembic.ini``'s ``sqlalchemy.url``, ``RANGEPROF_DB`` or the default
+database."""
 
 from logging.config import fileConfig
 
 from alembic import context
 
-from api.db import database_url, make_engine
-from api.models import Base
+from rangeprof.service.db import database_url, make_engine
+from rangeprof.service.models import Base
 
 config = context.config
 if config.config_file_name is not None:

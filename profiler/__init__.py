@@ -1,7 +1,12 @@
-"""rangeprof: tensor-range profiling with IR tracking for INT8 quantization on Apache TVM."""
+"""The profiler (``rangeprof.profiler``), one sub-package per step of the pipeline:
 
-import os
-
-# On x86 TVM halves the core count for hyper-threading unless told, which leaves one worker on a
-# 2-core machine; its pool reads this once, when a thread first runs a parallel kernel.
-os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+* :mod:`~rangeprof.profiler.ir`: load an ONNX file, import it into Relax, tag every node with
+  its profileID, our Relax passes, and the lineage of IDs through every stage;
+* :mod:`~rangeprof.profiler.build`: the CPU build path (schedules, prepacked weights), the
+  compiled-program cache and the executor that runs it;
+* :mod:`~rangeprof.profiler.profiling`: calibration data, the statistics records, the profiling
+  run (local or on Ray) and the versioned profile document;
+* :mod:`~rangeprof.profiler.calibrate`: qparams from stored statistics, or imported from a QDQ
+  model;
+* :mod:`~rangeprof.profiler.export`: the profile in other tools' formats.
+"""

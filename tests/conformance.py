@@ -1,15 +1,16 @@
 """The ONNX backend test suite run through rangeprof, case by case.
 
 Each case (a model and its reference inputs and outputs) goes through what ``rangeprof profile``
-runs, which includes all that ``rangeprof inspect`` runs (:func:`profiler.profiling.profile_model`
-loads, imports and tracks every stage with :func:`profiler.tracking.track`, then compiles and
-runs), on an ``.npz`` of the case's inputs, every input marked constant: one run of the case's
-exact shapes. It is classified:
+runs, which includes all that ``rangeprof inspect`` runs
+(:func:`rangeprof.profiler.profiling.run.profile_model` loads, imports and tracks every stage with
+:func:`rangeprof.profiler.ir.tracking.track`, then compiles and runs), on an ``.npz`` of the case's
+inputs, every input marked constant: one run of the case's exact shapes. It is classified:
 
 ``PASS``
     both succeed and every float output of the model is profiled with the reference's min / max;
 ``CLEAN_UNSUPPORTED``
-    a :class:`~profiler.errors.RangeprofError`: the one-line error the CLI prints with exit 2;
+    a :class:`~rangeprof.profiler.errors.RangeprofError`: the one-line error the CLI prints with
+    exit 2;
 ``WRONG``
     a float output missing from the profile, or a range that disagrees with the reference;
 ``CRASH``
@@ -158,9 +159,9 @@ def run_case(case: Case, work: Path) -> Outcome:
     def outcome(status: str, detail: str) -> Outcome:
         return Outcome(case.key, status, detail, round(time.perf_counter() - start, 3))
 
-    from profiler.errors import RangeprofError
-    from profiler.onnx_load import load_model
-    from profiler.profiling import ProfileOptions, profile_model
+    from rangeprof.profiler.errors import RangeprofError
+    from rangeprof.profiler.ir.onnx_load import load_model
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     folder = Path(case.folder)
     model_path = folder / "model.onnx"
@@ -170,7 +171,8 @@ def run_case(case: Case, work: Path) -> Outcome:
         inputs = _read_values(data_dir, "input", model.graph.input)
         expected = _read_values(data_dir, "output", model.graph.output)
         # profile_model loads, imports and tracks the stages as `rangeprof inspect` does
-        # (profiler.tracking.track), then compiles and runs: one call covers both commands.
+        # (rangeprof.profiler.ir.tracking.track), then compiles and runs: one call covers both
+        # commands.
         fed = {k: v for k, v in inputs.items() if v is not None}
         # the shapes of the reference inputs, as `--input-shape` gives them (symbolic dims)
         shapes = {k: v.shape for k, v in fed.items() if all(d > 0 for d in v.shape)}
@@ -202,9 +204,9 @@ def run_stock(case: Case, work: Path) -> Outcome:
     import tvm
     from tvm import relax
 
-    from profiler.errors import RangeprofError
-    from profiler.importer import import_onnx
-    from profiler.onnx_load import load_model
+    from rangeprof.profiler.errors import RangeprofError
+    from rangeprof.profiler.ir.importer import import_onnx
+    from rangeprof.profiler.ir.onnx_load import load_model
 
     folder = Path(case.folder)
     try:
@@ -307,7 +309,7 @@ class _Slot:
 
 def run_cases(cases: list[Case], work: Path, jobs: int = 2, runner=run_case) -> Iterator[Outcome]:
     """Outcomes of ``runner`` on ``cases`` (in completion order) from ``jobs`` processes."""
-    import profiler.profiling  # noqa: F401  (imported once here, forked warm into every worker)
+    import rangeprof.profiler.profiling.run  # noqa: F401  (imported once here, forked warm into every worker)
 
     context = multiprocessing.get_context("fork")
     pending = list(reversed(cases))

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-# Import our package before anything imports onnxruntime.quantization, which puts
-# onnxruntime/transformers (holding a profiler.py) on sys.path.
-import profiler  # noqa: F401
+# Our package first: it sets TVM's thread count before TVM starts its pool.
+import rangeprof  # noqa: F401
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MODELS = SHARED / "models"

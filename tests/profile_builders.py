@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from profiler.statistics import TensorStats
+from rangeprof.profiler.profiling.statistics import TensorStats
 
 
 def entry(

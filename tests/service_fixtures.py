@@ -26,13 +26,13 @@ import uvicorn
 from sqlalchemy import create_engine, func, select
 from typer.testing import CliRunner
 
-from api.app import create_app
-from api.auth import create_token
-from api.db import Database
-from api.limits import Limits
-from api.migrate import upgrade
-from api.models import Base
-from profiler.cli import app as cli
+from rangeprof.cli import app as cli
+from rangeprof.service.app import create_app
+from rangeprof.service.auth import create_token
+from rangeprof.service.db import Database
+from rangeprof.service.limits import Limits
+from rangeprof.service.migrate import upgrade
+from rangeprof.service.models import Base
 
 from conftest import SHARED
 
@@ -119,7 +119,7 @@ class Rangeprof:
     def __init__(self, log: Path, *args: str):
         with log.open("a") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "profiler", *args], stdout=out, stderr=subprocess.STDOUT
+                [sys.executable, "-m", "rangeprof", *args], stdout=out, stderr=subprocess.STDOUT
             )
         self.log = log
 

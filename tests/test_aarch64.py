@@ -17,7 +17,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from byoc_plugins.aarch64 import (
+from rangeprof.byoc.aarch64 import (
     AARCH64_TARGET,
     QemuRunError,
     ToolchainError,
@@ -27,14 +27,14 @@ from byoc_plugins.aarch64 import (
     toolchain_available,
     unavailable_reason,
 )
-from byoc_plugins.aarch64.host import ensure_host
-from byoc_plugins.plugin import get_plugin
-from byoc_plugins.quantized import qparams_from_profile, quantize_model
-from profiler.data import model_inputs, open_data
-from profiler.importer import import_onnx
-from profiler.onnx_load import load_model
-from profiler.profiling import ProfileOptions, profile_model
-from profiler.schedules import build, host_target
+from rangeprof.byoc.aarch64.host import ensure_host
+from rangeprof.byoc.plugin import get_plugin
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.profiling.data import model_inputs, open_data
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 from conftest import SHARED, ZOO_SHAPES, zoo_model
 

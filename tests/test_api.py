@@ -14,11 +14,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from api.limits import Limits
-from profiler.calibration import CalibrationOptions, calibrate
-from profiler.calibration import schema as qparams_schema
-from profiler.exports import export
-from profiler.profile import tensors_bytes, validate
+from rangeprof.profiler.calibrate.methods import CalibrationOptions, calibrate
+from rangeprof.profiler.calibrate.methods import schema as qparams_schema
+from rangeprof.profiler.export.formats import export
+from rangeprof.profiler.profiling.document import tensors_bytes, validate
+from rangeprof.service.limits import Limits
 
 import onnx_builders as mb
 from conftest import zoo_model

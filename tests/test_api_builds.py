@@ -18,10 +18,10 @@ import pytest
 import tvm
 from tvm import relax
 
-from api.limits import Limits
-from byoc_plugins.artifact import build_artifact
-from byoc_plugins.plugin import get_plugin
-from byoc_plugins.quantized import qparams_from_profile, quantize_model
+from rangeprof.byoc.artifact import build_artifact
+from rangeprof.byoc.plugin import get_plugin
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+from rangeprof.service.limits import Limits
 
 import onnx_builders as mb
 from conftest import zoo_model

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from onnx import TensorProto, helper
 
-from api.limits import Limits
+from rangeprof.service.limits import Limits
 
 import onnx_builders as mb
 from conftest import zoo_model

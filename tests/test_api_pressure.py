@@ -16,7 +16,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from api.limits import MB, Limits
+from rangeprof.service.limits import MB, Limits
 
 import onnx_builders as mb
 from conftest import zoo_model

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from api.jobs import STOPPED
+from rangeprof.service.jobs import STOPPED
 
 from conftest import zoo_model
 from service_fixtures import (

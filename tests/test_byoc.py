@@ -20,10 +20,10 @@ from onnx import helper
 from tvm import relax
 from typer.testing import CliRunner
 
-from byoc_plugins.evaluate import evaluate
-from byoc_plugins.lowering import FP32
-from byoc_plugins.plugin import get_plugin
-from byoc_plugins.policy import (
+from rangeprof.byoc.evaluate import evaluate
+from rangeprof.byoc.lowering import FP32
+from rangeprof.byoc.plugin import get_plugin
+from rangeprof.byoc.policy import (
     FIXED_POINT,
     FLOAT,
     REQUANTIZE,
@@ -35,9 +35,9 @@ from byoc_plugins.policy import (
     quantize_weights,
     requantize_reference,
 )
-from byoc_plugins.quantized import qparams_from_profile, quantize_model
-from profiler.cli import app
-from profiler.errors import RangeprofError
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+from rangeprof.cli import app
+from rangeprof.profiler.errors import RangeprofError
 
 from conftest import SHARED, zoo_model
 from onnx_builders import save, single_io_model
@@ -298,7 +298,7 @@ def test_power_of_two_policy_gives_shift_only_requantization():
 
 @pytest.fixture(scope="module")
 def digits_profile(tmp_path_factory):
-    from profiler.profiling import ProfileOptions, profile_model
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     model = zoo_model("digits_cnn")
     options = ProfileOptions(samples=64)
@@ -367,7 +367,7 @@ def test_digits_int8_accuracy_and_layer_errors(digits_profile):
 def test_ppocr_int8_top1_within_one_point_of_fp32():
     """The pretrained PP-OCR direction classifier: INT8 (x86, MSE calibration on 32 samples)
     within one top-1 point of FP32 on the first 200 test lines."""
-    from profiler.profiling import ProfileOptions, profile_model
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     model, data = zoo_model("ppocr_cls"), SHARED / "data" / "textlines.npz"
     shapes = {"x": (1, 3, 48, 192)}
@@ -476,7 +476,7 @@ def test_accuracy_budget_keeps_the_most_sensitive_layers_fp32(digits_profile):
             entry["scale"] /= 20
     qm = quantize_model(zoo_model("digits_cnn"), doc, X86)
     data = f"{SHARED}/data/digits.npz:test"
-    from byoc_plugins.evaluate import fit_budget
+    from rangeprof.byoc.evaluate import fit_budget
 
     plain = evaluate(qm, data, samples=150)
     worst = plain.ranked()[0].profile_id

@@ -8,14 +8,14 @@ import jsonschema
 import numpy as np
 import pytest
 
-from profiler.calibration import (
+from rangeprof.profiler.calibrate.methods import (
     CalibrationOptions,
     _kl_threshold,
     calibrate,
     qparams_for,
     schema,
 )
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from profile_builders import entry, profile
 

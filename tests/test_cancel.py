@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.limits import Limits
-from profiler.cli import app as cli
+from rangeprof.cli import app as cli
+from rangeprof.service.limits import Limits
 
 from conftest import zoo_model
 from service_fixtures import BACKENDS, live_service, start_run, upload_model, wait_for_run
@@ -73,7 +73,8 @@ def test_queued_jobs_are_cancelled_from_the_api_and_the_cli(tmp_path):
 
 
 def _job_processes() -> list[int]:
-    """This process's children running ``python -m api.execute`` (the worker's job processes)."""
+    """This process's children running ``python -m rangeprof.service.execute`` (the worker's job
+    processes)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -83,7 +84,7 @@ def _job_processes() -> list[int]:
             command = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        if parent == os.getpid() and b"api.execute" in command:
+        if parent == os.getpid() and b"rangeprof.service.execute" in command:
             found.append(int(entry.name))
     return found
 

@@ -11,7 +11,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
-from profiler.cli import app
+from rangeprof.cli import app
 
 import onnx_builders as mb
 
@@ -76,7 +76,7 @@ def test_bad_input_shape_argument(tmp_path):
 
 def test_inspect_json_shape_and_determinism_across_processes(tmp_path):
     path = mb.save(mb.conv_bn_relu_scale(), tmp_path)
-    cmd = [sys.executable, "-m", "profiler", "inspect", str(path), "--json"]
+    cmd = [sys.executable, "-m", "rangeprof", "inspect", str(path), "--json"]
     runs = [subprocess.run(cmd, capture_output=True, text=True, check=True) for _ in range(2)]
     first, second = (json.loads(r.stdout) for r in runs)
     assert first == second
@@ -141,7 +141,7 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
 
 
 def test_calibrate_and_export_commands(tmp_path):
-    from profiler.profiling import ProfileOptions, profile_model
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     doc = profile_model(mb.save(mb.gemm(), tmp_path), "random", options=ProfileOptions(samples=4))
     profile = tmp_path / "p.json"

@@ -19,10 +19,10 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.relax.frontend.onnx.onnx_frontend import ONNXGraphImporter, _get_convert_map, onnx_input
 
-from profiler.converters import CONVERTERS
-from profiler.errors import ConversionError, RangeprofError
-from profiler.importer import import_onnx
-from profiler.onnx_load import load_model
+from rangeprof.profiler.errors import ConversionError, RangeprofError
+from rangeprof.profiler.ir.converters import CONVERTERS
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.onnx_load import load_model
 
 SEQ, BATCH, INPUT, HIDDEN = 5, 2, 3, 4
 OPSET = 14

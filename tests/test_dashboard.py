@@ -10,8 +10,10 @@ with a synthetic 1000-layer model written straight to the database.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +22,12 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 from sqlalchemy import select
 
-from api.db import Database
-from api.documents import store_profile
-from api.limits import Limits
-from api.models import Layer, Model, Run, Token, utcnow
-from profiler.calibration import CalibrationOptions, qparams_for
+from rangeprof.byoc.x86 import PLUGIN as X86
+from rangeprof.profiler.calibrate.methods import CalibrationOptions, qparams_for
+from rangeprof.service.db import Database
+from rangeprof.service.documents import store_profile
+from rangeprof.service.limits import Limits
+from rangeprof.service.models import Layer, Model, Run, Token, utcnow
 
 import onnx_builders as mb
 from conftest import zoo_model
@@ -268,7 +271,9 @@ def wait_for_chart(page: Page, canvas: str) -> None:
 
 def table(page: Page, selector: str) -> list[dict]:
     """Rows of a dashboard table: the row's data attributes and each ``data-column`` cell's exact
-    value (``data-value``) and colour class."""
+    value (``data-value``) and colour class, once the table is no longer busy (the layer table
+    is while it fetches its weights' own scales)."""
+    page.wait_for_selector(f"{selector}:not([aria-busy=true])", state="attached")
     return page.eval_on_selector_all(
         f"{selector} tbody tr",
         """rows => rows.map(row => ({
@@ -281,6 +286,19 @@ def table(page: Page, selector: str) -> list[dict]:
 
 def number(text: str) -> float | None:
     return None if text == "" else float(text)
+
+
+def wait_for_value(page: Page, selector: str, value: float, timeout: float = 30_000) -> None:
+    """Until the cell at ``selector`` holds ``value`` exactly (its ``data-value``)."""
+    page.wait_for_function(
+        """([selector, value]) => {
+            const cell = document.querySelector(selector);
+            const shown = cell?.dataset.value;
+            return shown !== undefined && shown !== '' && Number(shown) === value;
+        }""",
+        arg=[selector, value],
+        timeout=timeout,
+    )
 
 
 # The browser
@@ -378,6 +396,22 @@ def _layer_page(live: Live, model_id: int, **params) -> dict:
     return response.json()
 
 
+X86_ACTIVATIONS = {"scheme": "asym", "dtype": "uint8"}  # rangeprof.byoc.x86 PLUGIN.policy
+X86_WEIGHTS = {"scheme": "sym", "dtype": "int8"}
+
+
+def _policy_page(live: Live, model_id: int, **params) -> dict:
+    """The layer table as the dashboard shows it by default (the x86 policy): the API's page for
+    asymmetric uint8, with the weights' scales of its page for symmetric int8."""
+    page = _layer_page(live, model_id, **params, **X86_ACTIVATIONS)
+    weights = _layer_page(live, model_id, **params, **X86_WEIGHTS)["rows"]
+    assert [row["profile_id"] for row in weights] == [row["profile_id"] for row in page["rows"]]
+    for row, weight in zip(page["rows"], weights, strict=True):
+        if row["kind"] == "weight":
+            row["scales"] = weight["scales"]
+    return page
+
+
 def _same_rows(shown: list[dict], served: dict) -> None:
     assert [row["profileId"] for row in shown] == [row["profile_id"] for row in served["rows"]]
     for row, expected in zip(shown, served["rows"], strict=True):
@@ -390,7 +424,7 @@ def _same_rows(shown: list[dict], served: dict) -> None:
 def test_model_page_layer_table_searches_sorts_and_pages_as_the_api(tab, live, digits):
     page, model_id, run_id = tab.page, digits.model["id"], digits.run["id"]
     page.goto(f"/dashboard/models/{model_id}")
-    served = _layer_page(live, model_id, run=run_id)
+    served = _policy_page(live, model_id, run=run_id)
     expect(page.locator("#range")).to_have_text(f"rows 1–{served['total']} of {served['total']}")
     expect(page.locator("#run")).to_have_value(str(run_id))  # the newest done run
     _same_rows(table(page, "#layers"), served)
@@ -398,7 +432,7 @@ def test_model_page_layer_table_searches_sorts_and_pages_as_the_api(tab, live, d
     tab.shot("model")
 
     page.fill("#search", "RELU")
-    served = _layer_page(live, model_id, run=run_id, q="relu")
+    served = _policy_page(live, model_id, run=run_id, q="relu")
     assert served["total"] == 4
     expect(page.locator("#range")).to_have_text("rows 1–4 of 4")
     _same_rows(table(page, "#layers"), served)
@@ -407,7 +441,7 @@ def test_model_page_layer_table_searches_sorts_and_pages_as_the_api(tab, live, d
     expect(page.locator("#layers th[data-sort=max]")).to_have_class("num sorted-desc")
     _same_rows(
         table(page, "#layers"),
-        _layer_page(live, model_id, run=run_id, q="relu", sort="max", order="desc"),
+        _policy_page(live, model_id, run=run_id, q="relu", sort="max", order="desc"),
     )
     assert "sort=max" in page.url and "order=desc" in page.url  # the view can be shared
 
@@ -417,8 +451,92 @@ def test_model_page_layer_table_searches_sorts_and_pages_as_the_api(tab, live, d
     expect(page.locator("#range")).to_have_text(f"rows 1–25 of {total}")
     page.click("#next")
     expect(page.locator("#range")).to_have_text(f"rows 26–{min(50, total)} of {total}")
-    served = _layer_page(live, model_id, run=run_id, sort="max", order="desc", offset=25, limit=25)
+    served = _policy_page(live, model_id, run=run_id, sort="max", order="desc", offset=25, limit=25)
     _same_rows(table(page, "#layers"), served)
+
+
+def _by_id(page: dict) -> dict[str, dict]:
+    return {row["profile_id"]: row for row in page["rows"]}
+
+
+def test_model_page_scales_default_to_the_x86_policy(tab, live, digits):
+    """By default the layer table suggests scales as the x86 plugin quantizes (activations
+    asymmetric uint8, weights symmetric int8); another choice is the user's, kept in the URL."""
+    policy = X86.policy
+    assert (policy.activation_scheme, policy.activation_dtype) == ("asym", "uint8")
+    assert X86_ACTIVATIONS == {"scheme": "asym", "dtype": "uint8"}
+    page, model_id, run_id = tab.page, digits.model["id"], digits.run["id"]
+    activation, weight = "/Relu_1", "weight:c2.weight"
+
+    def served(**params) -> dict[str, dict]:
+        return _by_id(_layer_page(live, model_id, run=run_id, **params))
+
+    def cell(profile_id: str, method: str) -> str:
+        return f"#layers tr[data-profile-id='{profile_id}'] [data-column=scale-{method}]"
+
+    def shown() -> dict[str, dict]:
+        return {row["profileId"]: row for row in table(page, "#layers")}
+
+    def scales(row: dict) -> dict[str, float | None]:
+        return {m: number(row["cells"][f"scale-{m}"][0]) for m in METHODS}
+
+    asym_u8, sym_i8 = served(**X86_ACTIVATIONS), served(**X86_WEIGHTS)
+    sym_u8 = served(scheme="sym", dtype="uint8")
+    assert served() == sym_i8  # the API's own default is symmetric int8, for every row
+    # The views differ where it is checked: a ReLU output (min 0) on the uint8 grid's 255 steps
+    # or the symmetric 127; a weight's symmetric scale or its asymmetric one.
+    for method in METHODS:
+        assert asym_u8[activation]["scales"][method] != sym_u8[activation]["scales"][method]
+        assert asym_u8[weight]["scales"][method] != sym_i8[weight]["scales"][method]
+
+    page.goto(f"/dashboard/models/{model_id}?run={run_id}")
+    for choice, value, label in (
+        ("#scheme", "asym", "asym (x86 policy)"),
+        ("#dtype", "uint8", "uint8 (x86 policy)"),
+        ("#weights", "policy", "sym int8 (x86 policy)"),
+    ):
+        expect(page.locator(choice)).to_have_value(value)
+        expect(page.locator(f"{choice} option:checked")).to_have_text(label)
+    wait_for_value(page, cell(activation, "mse"), asym_u8[activation]["scales"]["mse"])
+    rows = shown()
+    assert scales(rows[activation]) == asym_u8[activation]["scales"]
+    assert scales(rows[weight]) == sym_i8[weight]["scales"]  # weights stay symmetric int8
+    assert (rows[activation]["calibration"], rows[weight]["calibration"]) == (
+        "asym uint8",
+        "sym int8",
+    )
+    expect(page.locator("#calibration-note")).to_contain_text("the x86 policy (asymmetric uint8")
+    assert "scheme" not in page.url and "dtype" not in page.url and "weights" not in page.url
+    tab.shot("model-x86-policy")
+
+    page.select_option("#scheme", "sym")
+    wait_for_value(page, cell(activation, "mse"), sym_u8[activation]["scales"]["mse"])
+    rows = shown()
+    assert scales(rows[activation]) == sym_u8[activation]["scales"]
+    assert scales(rows[weight]) == sym_i8[weight]["scales"]
+    assert rows[activation]["calibration"] == "sym uint8"
+    expect(page.locator("#calibration-note")).to_contain_text("not the x86 policy")
+    assert "scheme=sym" in page.url and "dtype" not in page.url
+
+    # Weights as the activations: the API's scales for asym uint8 in every row.
+    page.select_option("#scheme", "asym")
+    page.select_option("#weights", "same")
+    wait_for_value(page, cell(weight, "max"), asym_u8[weight]["scales"]["max"])
+    rows = shown()
+    assert scales(rows[weight]) == asym_u8[weight]["scales"]
+    assert rows[weight]["calibration"] == "asym uint8"
+    assert "weights=same" in page.url and "scheme" not in page.url
+    link = page.get_attribute(f"#layers tr[data-profile-id='{weight}'] a", "href")
+    assert "scheme=asym&dtype=uint8" in link  # a chosen view goes to the layer page along
+    page.reload()  # the URL holds the view
+    expect(page.locator("#weights")).to_have_value("same")
+    wait_for_value(page, cell(weight, "max"), asym_u8[weight]["scales"]["max"])
+
+    page.select_option("#weights", "policy")
+    wait_for_value(page, cell(weight, "max"), sym_i8[weight]["scales"]["max"])
+    link = page.get_attribute(f"#layers tr[data-profile-id='{weight}'] a", "href")
+    assert link == f"/dashboard/models/{model_id}/layer?pid=weight%3Ac2.weight&run={run_id}"
+    assert "weights" not in page.url
 
 
 def _chart(page: Page, canvas: str) -> dict:
@@ -455,8 +573,15 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
         f"{base_url(live)}/dashboard/models/{model_id}/layer?pid=%2FRelu_1&run={run_id}"
     )
     wait_for_chart(page, "histogram")
-    served = live.owner.get(f"/api/runs/{run_id}/tensor", params={"profile_id": "/Relu_1"}).json()
+    # An activation: by default the x86 policy's asymmetric uint8 qparams.
+    expect(page.locator("#scheme")).to_have_value("asym")
+    expect(page.locator("#dtype")).to_have_value("uint8")
+    expect(page.locator("#calibration-note")).to_have_text(
+        "asym uint8: the x86 policy for an activation."
+    )
+    served = _tensor(live, run_id, "/Relu_1", **X86_ACTIVATIONS)
     tensor, qparams = served["entry"], served["qparams"]
+    assert all(qparams[m]["zero_point"] == 0 and qparams[m]["dtype"] == "uint8" for m in METHODS)
     histogram = tensor["histogram"]
     assert tensor["min"] == 0 and tensor["max"] > 0  # a ReLU output
 
@@ -466,10 +591,10 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
     assert chart["data"][0]["x"] == (histogram["offset"] + 0.5) * width
     nonzero = sum(1 for count in histogram["counts"] if count)
     assert chart["yScale"] == "linear" and chart["drawn"] == nonzero and chart["coloured"] > 100
-    # The upper clip limit of every method; the negative ones of a symmetric range clip nothing
-    # here and are only listed.
+    # Both clip limits of every method: the asymmetric range starts at the minimum, 0.
     lines = sorted(tuple(line) for line in chart["lines"])
-    assert lines == sorted((m, qparams[m]["range"][1]) for m in METHODS)
+    assert lines == sorted((m, qparams[m]["range"][k]) for m in METHODS for k in (0, 1))
+    assert all(qparams[m]["range"][0] == 0 for m in METHODS)
     rows = {row["method"]: row["cells"] for row in table(page, "#thresholds")}
     for method in METHODS:
         expected = qparams[method]
@@ -486,11 +611,18 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
     chart = _chart(page, "histogram")
     assert chart["yScale"] == "logarithmic" and chart["drawn"] == nonzero
     tab.shot("layer-log")
-    page.select_option("#scheme", "asym")  # asymmetric: the range starts at the minimum, 0
-    page.wait_for_function(
-        "document.querySelector('#thresholds tr[data-method=max] [data-column=lo]')"
-        ".dataset.value === '0'"
+    page.select_option("#scheme", "sym")  # symmetric: the range is ±max, z = 128 for uint8
+    sym = _tensor(live, run_id, "/Relu_1", scheme="sym", dtype="uint8")["qparams"]
+    assert sym["max"]["range"][0] == -sym["max"]["range"][1] < 0
+    wait_for_value(page, "#thresholds tr[data-method=max] [data-column=lo]", sym["max"]["range"][0])
+    rows = {row["method"]: row["cells"] for row in table(page, "#thresholds")}
+    for method in METHODS:
+        assert number(rows[method]["scale"][0]) == sym[method]["scale"]
+        assert number(rows[method]["zero_point"][0]) == sym[method]["zero_point"] == 128
+    expect(page.locator("#calibration-note")).to_have_text(
+        "sym uint8: not the x86 policy for an activation (asym uint8)."
     )
+    assert "scheme=sym&dtype=uint8" in page.url  # the chosen view is shareable
     assert _chart(page, "histogram")["yScale"] == "logarithmic"  # the toggle holds
 
     lineage = live.owner.get(
@@ -509,6 +641,8 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
     assert sorted(links.all_inner_texts()) == sorted(set(fused["layers"]) - {"/Relu_1"})
     page.click("#lineage tr[data-stage=fuse_ops] a[data-layer='/c2/Conv']")
     expect(page.locator("#title")).to_have_text("/c2/Conv")
+    assert "scheme=sym&dtype=uint8" in page.url  # the chosen view goes along
+    expect(page.locator("#scheme")).to_have_value("sym")
     wait_for_chart(page, "histogram")
     conv = live.owner.get(f"/api/runs/{run_id}/tensor", params={"profile_id": "/c2/Conv"}).json()
     counts = [point["y"] for point in _chart(page, "histogram")["data"]]
@@ -516,10 +650,31 @@ def test_layer_page_histogram_thresholds_log_scale_and_lineage(tab, live, digits
     tab.shot("layer-lineage-click")
 
 
+def _tensor(live: Live, run_id: int, profile_id: str, **params) -> dict:
+    response = live.owner.get(
+        f"/api/runs/{run_id}/tensor", params={"profile_id": profile_id, **params}
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_weight_layer_shows_its_per_channel_ranges(tab, live, digits):
     page, model_id, run_id = tab.page, digits.model["id"], digits.run["id"]
     page.goto(f"/dashboard/models/{model_id}/layer?pid=weight%3Ac2.weight&run={run_id}")
     wait_for_chart(page, "per-channel")
+    # A weight: by default the x86 policy's symmetric int8 qparams, not the activations' uint8.
+    expect(page.locator("#scheme")).to_have_value("sym")
+    expect(page.locator("#dtype")).to_have_value("int8")
+    note = page.locator("#calibration-note")
+    expect(note).to_contain_text("sym int8: the x86 policy for a weight")
+    sym = _tensor(live, run_id, "weight:c2.weight", **X86_WEIGHTS)["qparams"]
+    asym = _tensor(live, run_id, "weight:c2.weight", **X86_ACTIVATIONS)["qparams"]
+    assert sym["max"]["scale"] != asym["max"]["scale"]
+    rows = {row["method"]: row["cells"] for row in table(page, "#thresholds")}
+    for method in METHODS:
+        assert number(rows[method]["scale"][0]) == sym[method]["scale"]
+        assert number(rows[method]["zero_point"][0]) == sym[method]["zero_point"] == 0
+    assert "scheme" not in page.url  # the policy is no choice: the URL stays as it was
     served = live.owner.get(f"/api/runs/{run_id}/tensor", params={"profile_id": "weight:c2.weight"})
     channels = served.json()["entry"]["per_channel"]
     ranges = page.evaluate("Chart.getChart('per-channel').data.datasets[0].data")
@@ -685,6 +840,116 @@ def test_run_page_queues_evaluations_and_takes_reports(tab, live, digits, tmp_pa
     tab.shot("run-evaluations")
 
 
+def _builds(live: Live, run_id: int) -> dict[int, dict]:
+    return {b["id"]: b for b in live.owner.get(f"/api/runs/{run_id}/builds").json()}
+
+
+def _new_build(live: Live, run_id: int, before: set[int]) -> int:
+    wait_until(lambda: set(_builds(live, run_id)) - before, "the build is queued", timeout=30)
+    (build_id,) = set(_builds(live, run_id)) - before
+    return build_id
+
+
+# Each row's status, phase and progress, sampled as the page redraws them (every poll replaces
+# the rows, so a sampler sees what a person would).
+SAMPLE_BUILDS = """() => {
+    window.sameDocument = true;
+    window.seen = [];
+    setInterval(() => {
+        for (const row of document.querySelectorAll('#builds tbody tr')) {
+            const bar = row.querySelector('[role=progressbar]');
+            window.seen.push([row.dataset.buildId, row.dataset.status, row.dataset.phase,
+                              Number(bar.getAttribute('aria-valuenow'))]);
+        }
+    }, 50);
+}"""
+
+
+def test_run_page_builds_an_artifact_and_cancels_a_queued_build(tab, live, digits, tmp_path):
+    page, run_id = tab.page, digits.run["id"]
+    page.goto(f"/dashboard/runs/{run_id}")
+    expect(page.locator("#facts [data-fact=status]")).to_have_text("done")
+    form = page.locator("#build")
+    percentile = form.locator("[name=percentile]")
+    expect(percentile).to_be_disabled()  # only for method percentile
+    form.locator("[name=target]").select_option("x86")
+    form.locator("[name=method]").select_option("percentile")
+    expect(percentile).to_be_enabled()
+    percentile.fill("99.9")
+    form.locator("[name=weight_bits]").select_option("7")
+    page.evaluate(SAMPLE_BUILDS)
+    before = set(_builds(live, run_id))
+    form.locator("button[type=submit]").click()
+    build_id = _new_build(live, run_id, before)
+    queued = live.owner.get(f"/api/builds/{build_id}").json()
+    assert (queued["target"], queued["method"], queued["percentile"]) == ("x86", "percentile", 99.9)
+    assert queued["weight_bits"] == 7 and queued["qparams_id"] is None
+
+    # Live: the page polls the build from queued through its phases to done; nobody reloads.
+    row = page.locator(f"#builds tr[data-build-id='{build_id}']")
+    expect(row).to_have_attribute("data-status", "done", timeout=300_000)
+    expect(row.locator("[role=progressbar]")).to_have_attribute("aria-valuenow", "100")
+    assert page.evaluate("window.sameDocument") is True
+    seen = [s for s in page.evaluate("window.seen") if s[0] == str(build_id)]
+    # Running, first without a phase (the job process starting), then in the build's phases.
+    phases = {phase for _, status, phase, _ in seen if status == "running"} - {""}
+    assert phases and phases <= {"quantizing", "compiling", "packing"}, seen
+    assert seen[-1][1:] == ["done", "", 100]
+    build = live.owner.get(f"/api/builds/{build_id}").json()
+    assert build["status"] == "done", build["error"]
+    regions = build["manifest"]["regions"]
+    int8 = sum(1 for region in regions if region["mode"] == "int8")
+    assert int8 > 0
+    count = row.locator("[data-column=int8-regions]")
+    expect(count).to_have_attribute("data-value", str(int8))
+    expect(count).to_have_attribute("data-regions", str(len(regions)))
+    expect(count).to_have_text(f"{int8} of {len(regions)}")
+    assert row.locator("button.cancel").count() == 0
+    tab.shot("run-builds")
+
+    # The artifact, fetched with the token: the zip the API serves, its manifest the API's.
+    with page.expect_download() as download:
+        row.locator("button.artifact").click()
+    saved = tmp_path / download.value.suggested_filename
+    download.value.save_as(saved)
+    assert saved.name == f"digits_cnn-x86-build{build_id}.zip"
+    assert hashlib.sha256(saved.read_bytes()).hexdigest() == build["artifact_sha256"]
+    with zipfile.ZipFile(saved) as archive:
+        assert sorted(archive.namelist()) == ["manifest.json", "model.so"]
+        manifest = json.loads(archive.read("manifest.json"))
+        assert archive.read("model.so")[:4] == b"\x7fELF"
+    assert manifest["regions"] == regions and manifest == build["manifest"]
+    assert manifest["target"] == "x86" and "±63" in manifest["policy"]["weights"]
+
+    # A queued build is cancelled. Two long runs of another model hold the worker's two slots
+    # (it takes runs before builds), so the build stays queued until it is cancelled.
+    other = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
+    busy = [start_run(live.owner, other, random=str(Limits().max_samples))["id"] for _ in range(2)]
+    try:
+        form.locator("[name=target]").select_option("npu")
+        form.locator("[name=method]").select_option("mse")
+        expect(percentile).to_be_disabled()
+        before = set(_builds(live, run_id))
+        form.locator("button[type=submit]").click()
+        queued_id = _new_build(live, run_id, before)
+        row = page.locator(f"#builds tr[data-build-id='{queued_id}']")
+        expect(row).to_have_attribute("data-status", "queued")
+        expect(row.locator("[role=progressbar]")).to_have_text("queued 0%")
+        assert row.locator("button.artifact").count() == 0
+        row.locator("button.cancel").click()
+        expect(row).to_have_attribute("data-status", "cancelled")
+        expect(row).to_contain_text("cancelled by its owner")
+        assert row.locator("button.cancel").count() == 0
+        cancelled = live.owner.get(f"/api/builds/{queued_id}").json()
+        assert (cancelled["status"], cancelled["started_at"]) == ("cancelled", None)
+        assert cancelled["target"] == "npu" and cancelled["method"] == "mse"
+        expect(page.locator("#build-error")).to_be_hidden()
+        tab.shot("run-builds-cancelled")
+    finally:
+        for run in busy:
+            live.owner.post(f"/api/runs/{run}/cancel")
+
+
 def test_a_thousand_layer_model_is_paged_by_the_server(tab, live, synthetic):
     page = tab.page
     started = time.monotonic()
@@ -692,14 +957,14 @@ def test_a_thousand_layer_model_is_paged_by_the_server(tab, live, synthetic):
     expect(page.locator("#range")).to_have_text(f"rows 1–50 of {SYNTHETIC_LAYERS}")
     loaded = time.monotonic() - started
     assert page.locator("#layers tbody tr").count() == 50
-    served = _layer_page(live, synthetic.model_id, run=synthetic.run_id)
+    served = _policy_page(live, synthetic.model_id, run=synthetic.run_id)
     _same_rows(table(page, "#layers"), served)
     page.click("#next")
     expect(page.locator("#range")).to_have_text(f"rows 51–100 of {SYNTHETIC_LAYERS}")
     assert page.locator("#layers tbody tr").count() == 50
     page.click("#layers th[data-sort=min]")
     page.click("#layers th[data-sort=min]")  # descending: the unprofiled layers come last
-    served = _layer_page(live, synthetic.model_id, run=synthetic.run_id, sort="min", order="desc")
+    served = _policy_page(live, synthetic.model_id, run=synthetic.run_id, sort="min", order="desc")
     # Both clicks show rows 1–50: wait for the descending page itself, not the range.
     first = page.locator("#layers tbody tr").first
     expect(first).to_have_attribute("data-profile-id", served["rows"][0]["profile_id"])

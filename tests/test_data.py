@@ -13,9 +13,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from profiler.data import InputSpec, Preprocess, model_inputs, open_data, parse_preprocess
-from profiler.errors import CalibrationDataError
-from profiler.onnx_load import load_model
+from rangeprof.profiler.errors import CalibrationDataError
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.profiling.data import (
+    InputSpec,
+    Preprocess,
+    model_inputs,
+    open_data,
+    parse_preprocess,
+)
 
 import onnx_builders
 from conftest import SHARED

@@ -15,10 +15,10 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
 from typer.testing import CliRunner
 
-from api.db import Database, make_engine
-from api.migrate import alembic_config, head
-from api.models import Base, Token
-from profiler.cli import app as cli
+from rangeprof.cli import app as cli
+from rangeprof.service.db import Database, make_engine
+from rangeprof.service.migrate import alembic_config, head
+from rangeprof.service.models import Base, Token
 
 from service_fixtures import BACKENDS, database, environment_with, rangeprof, row_counts
 

@@ -8,11 +8,11 @@ from datetime import timedelta
 
 import pytest
 
-from api.db import Database
-from api.jobs import STOPPED, Worker
-from api.migrate import upgrade
-from api.models import Model, Run, Token, utcnow
-from api.storage import BlobStore
+from rangeprof.service.db import Database
+from rangeprof.service.jobs import STOPPED, Worker
+from rangeprof.service.migrate import upgrade
+from rangeprof.service.models import Model, Run, Token, utcnow
+from rangeprof.service.storage import BlobStore
 
 from service_fixtures import BACKENDS, database
 

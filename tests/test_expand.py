@@ -1,14 +1,14 @@
-"""Operators imported as their ONNX function bodies (profiler/expand.py)."""
+"""Operators imported as their ONNX function bodies (profiler/ir/expand.py)."""
 
 from __future__ import annotations
 
 import onnx
 from onnx import TensorProto, helper
 
-from profiler.data import model_inputs, open_data
-from profiler.onnx_load import load_model
-from profiler.profiling import ProfileOptions, profile_model
-from profiler.tracking import track_model
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.ir.tracking import track_model
+from rangeprof.profiler.profiling.data import model_inputs, open_data
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 from ort_reference import assert_fidelity, exposed_session, reference_ranges
 

@@ -20,9 +20,9 @@ from onnxruntime.quantization.calibrate import (
 )
 from onnxruntime.quantization.quant_utils import write_calibration_table
 
-from profiler.calibration import CalibrationOptions, qparams_for
-from profiler.errors import RangeprofError
-from profiler.exports import AIMET_VERSION, TENSORRT_HEADER, export
+from rangeprof.profiler.calibrate.methods import CalibrationOptions, qparams_for
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.export.formats import AIMET_VERSION, TENSORRT_HEADER, export
 
 from profile_builders import entry, profile
 

@@ -17,12 +17,12 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 
-from profiler.passes.fold_scale_axis import (
+from rangeprof.profiler.ir.passes.fold_scale_axis import (
     BackwardFoldScaleAxis,
     FoldScaleAxis,
     ForwardFoldScaleAxis,
 )
-from profiler.spans import ids_of, with_ids
+from rangeprof.profiler.ir.spans import ids_of, with_ids
 
 from conftest import zoo_model
 

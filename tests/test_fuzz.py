@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from api.limits import Limits
+from rangeprof.service.limits import Limits
 
 from conftest import zoo_model
 from service_fixtures import BACKENDS, live_service, upload_model

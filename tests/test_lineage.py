@@ -6,10 +6,10 @@ import pytest
 import tvm
 from tvm import relax
 
-from profiler.lineage import Tracked, stage_report, untracked_bindings, verify_lineage
-from profiler.passes.fold_constant import fold_constant_numpy
-from profiler.stages import STAGE_NAMES
-from profiler.tracking import track_model
+from rangeprof.profiler.ir.lineage import Tracked, stage_report, untracked_bindings, verify_lineage
+from rangeprof.profiler.ir.passes.fold_constant import fold_constant_numpy
+from rangeprof.profiler.ir.stages import STAGE_NAMES
+from rangeprof.profiler.ir.tracking import track_model
 
 import onnx_builders as mb
 from conftest import zoo_model
@@ -47,7 +47,7 @@ def _lineage_of_op(stage, op_prefix):
 
 
 def _ops_by_key(stage):
-    from profiler.bindings import module_bindings, op_name
+    from rangeprof.profiler.ir.bindings import module_bindings, op_name
 
     return {ref.key: op_name(ref.value) for ref in module_bindings(stage.mod)}
 

@@ -10,8 +10,8 @@ import onnx
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
-from profiler.cli import app
-from profiler.tracking import track_model
+from rangeprof.cli import app
+from rangeprof.profiler.ir.tracking import track_model
 
 runner = CliRunner()
 

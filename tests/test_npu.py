@@ -14,14 +14,14 @@ import tvm_ffi.libinfo
 from onnx import helper
 from tvm import relax
 
-from byoc_plugins import npu
-from byoc_plugins.npu.codegen import offloaded
-from byoc_plugins.npu.core import Conv2dOp, Requantize, read_core
-from byoc_plugins.npu.tiling import plan_tiles
-from byoc_plugins.plugin import Plugin, get_plugin
-from byoc_plugins.quantized import quantize_model
-from profiler.errors import RangeprofError
-from profiler.tracking import track_model
+from rangeprof.byoc import npu
+from rangeprof.byoc.npu.codegen import offloaded
+from rangeprof.byoc.npu.core import Conv2dOp, Requantize, read_core
+from rangeprof.byoc.npu.tiling import plan_tiles
+from rangeprof.byoc.plugin import Plugin, get_plugin
+from rangeprof.byoc.quantized import quantize_model
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.ir.tracking import track_model
 
 import onnx_builders as mb
 from conftest import SHARED, zoo_model

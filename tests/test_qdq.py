@@ -24,9 +24,9 @@ from onnxruntime.quantization import (
 from tvm import relax
 from typer.testing import CliRunner
 
-from profiler.calibration import schema
-from profiler.cli import app
-from profiler.qdq import dequantize
+from rangeprof.cli import app
+from rangeprof.profiler.calibrate.methods import schema
+from rangeprof.profiler.ir.qdq import dequantize
 
 from conftest import SHARED, zoo_model
 from onnx_builders import save, single_io_model

@@ -1,6 +1,6 @@
-"""Profiling on Ray (profiler.distributed): shards merged into the single-process profile byte
-for byte, a worker killed mid-shard, workers lost for good, the CLI's --ray, the service's
-RANGEPROF_RAY setting, and rangeprof without Ray installed.
+"""Profiling on Ray (rangeprof.profiler.profiling.distributed): shards merged into the
+single-process profile byte for byte, a worker killed mid-shard, workers lost for good, the CLI's
+--ray, the service's RANGEPROF_RAY setting, and rangeprof without Ray installed.
 
 One local cluster (2 CPUs) serves the module; the CLI test starts its own with ``--ray local``.
 """
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from api.jobs import ENV_RAY, ENV_RAY_WORKERS, ray_setting
-from api.limits import Limits
-from profiler.distributed import plan_shards, profile_distributed
-from profiler.errors import RangeprofError
-from profiler.profile import tensors_bytes, validate
-from profiler.profiling import ProfileOptions, profile_model
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.profiling.distributed import plan_shards, profile_distributed
+from rangeprof.profiler.profiling.document import tensors_bytes, validate
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+from rangeprof.service.jobs import ENV_RAY, ENV_RAY_WORKERS, ray_setting
+from rangeprof.service.limits import Limits
 
 from conftest import SHARED, zoo_model
 from service_fixtures import live_service, start_run, upload_model, wait_for_run, write_calib
@@ -145,8 +145,11 @@ def _cli(*args: str, block_ray: bool = False) -> subprocess.CompletedProcess:
     as it does where the extra is not installed."""
     block = "import sys; sys.modules['ray'] = None; " if block_ray else ""
     # The service and the Ray module itself import without it too.
-    imports = "import api.app, api.jobs, profiler.distributed; " if block_ray else ""
-    code = f"{block}{imports}from profiler.cli import app; app()"
+    modules = (
+        "rangeprof.service.app, rangeprof.service.jobs, rangeprof.profiler.profiling.distributed"
+    )
+    imports = f"import {modules}; " if block_ray else ""
+    code = f"{block}{imports}from rangeprof.cli import app; app()"
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
     )

@@ -17,10 +17,10 @@ import tvm
 from onnx import helper
 from tvm import relax
 
-from profiler.data import model_inputs, open_data
-from profiler.importer import import_onnx
-from profiler.onnx_load import load_model, load_model_bytes
-from profiler.schedules import build, host_target
+from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.onnx_load import load_model, load_model_bytes
+from rangeprof.profiler.profiling.data import model_inputs, open_data
 
 from conftest import ZOO_SHAPES, zoo_model
 from onnx_builders import single_io_model
@@ -189,7 +189,7 @@ def test_narrow_transposes_go_row_by_row_and_plain_elementwise_stays_vectorised(
     keeps its fused vector loop."""
     from tvm import s_tir, te, topi
 
-    from profiler.schedules.elementwise import schedule_generic
+    from rangeprof.profiler.build.schedules.elementwise import schedule_generic
 
     x = te.placeholder((1, 3, 40, 50), "float32", name="x")
     image = topi.nn.pad(topi.transpose(x, [0, 2, 3, 1]), [0, 1, 1, 0], [0, 1, 1, 0], 0.5)
@@ -230,7 +230,7 @@ def test_elementwise_vectors_stay_within_rows_of_24_channels():
     and gather lane by lane), and the values unchanged."""
     from tvm import s_tir, te, topi
 
-    from profiler.schedules.elementwise import schedule_generic
+    from rangeprof.profiler.build.schedules.elementwise import schedule_generic
 
     x = te.placeholder((1, 6, 7, 24), "float32", name="x")
     scaled = topi.transpose(topi.multiply(topi.transpose(x, [0, 3, 1, 2]), 3.0), [0, 2, 3, 1])
@@ -249,7 +249,7 @@ def test_per_tensor_quantize_leaves_its_layout_round_trip():
     """``ConvertLayout`` wraps quantize in NHWC → NCHW → NHWC transposes; a per-tensor one
     loses them (so it can fuse into its producer), a per-channel one (axis 1 of NCHW) keeps
     them, and the program computes the same either way."""
-    from profiler.schedules.prepare import untranspose_quantize
+    from rangeprof.profiler.build.schedules.prepare import untranspose_quantize
 
     shape = (1, 5, 6, 4)  # NHWC
     x = relax.Var("x", relax.TensorType(shape, "float32"))

@@ -1,14 +1,13 @@
 """The INT8 build path: integer conv2d / dense kernels on the target's dot-product instruction.
 
-Each shape family is built with ``profiler.schedules.build`` for this machine and run; integer
-results are compared exactly with numpy. Two forms per family: the bare 8-bit × int8 → int32
-operator, and the layer as the quantization layer writes it (quantize, pad with the zero point,
-conv2d / matmul to int32, bias, int64 fixed-point requantization, zero point, clamp, uint8,
-dequantize). Inputs are integer multiples of a power-of-two scale and the output scale is a
-power of two, so quantize and dequantize are exact and the float output is compared exactly
-too. Kernels for instruction sets this machine lacks (AVX-512 VNNI on most AMD hosts, aarch64
-``sdot`` everywhere) are compiled and their assembly checked; those it has run too.
-"""
+Each shape family is built with ``rangeprof.profiler.build.schedules.build`` for this machine and
+run; integer results are compared exactly with numpy. Two forms per family: the bare 8-bit × int8 →
+int32 operator, and the layer as the quantization layer writes it (quantize, pad with the zero
+point, conv2d / matmul to int32, bias, int64 fixed-point requantization, zero point, clamp, uint8,
+dequantize). Inputs are integer multiples of a power-of-two scale and the output scale is a power of
+two, so quantize and dequantize are exact and the float output is compared exactly too. Kernels for
+instruction sets this machine lacks (AVX-512 VNNI on most AMD hosts, aarch64 ``sdot`` everywhere)
+are compiled and their assembly checked; those it has run too."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from profiler.schedules import build, host_target
+from rangeprof.profiler.build.schedules import build, host_target
 
 VNNI = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})
 AARCH64 = tvm.target.Target(
@@ -388,7 +387,7 @@ def test_unpadded_rgb_conv_takes_a_fourth_zero_channel():
     does) convolves a graph-padded 4-channel input with a zero fourth weight channel: no stage
     in its kernel. With padding of its own (its stage pads channels too) or 4 channels, the
     graph stays as it was. Results are exact either way."""
-    from profiler.schedules.prepare import pad_int8_channels
+    from rangeprof.profiler.build.schedules.prepare import pad_int8_channels
 
     def calls(mod, op):
         values = [b.value for blk in mod["main"].body.blocks for b in blk.bindings]

@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 import tvm
 
-from profiler.schedules import host_target
-from profiler.statistics import TensorStats, exact_units
-from profiler.stats_kernel import Totals, decode, kernel_view, output_length, stats_kernel
+from rangeprof.profiler.build.schedules import host_target
+from rangeprof.profiler.profiling.statistics import TensorStats, exact_units
+from rangeprof.profiler.profiling.stats_kernel import (
+    Totals,
+    decode,
+    kernel_view,
+    output_length,
+    stats_kernel,
+)
 
 
 @functools.cache

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import tvm
 
-from profiler.bindings import module_bindings
-from profiler.importer import import_onnx
-from profiler.onnx_load import load_model
-from profiler.spans import ids_of
+from rangeprof.profiler.ir.bindings import module_bindings
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.ir.spans import ids_of
 
 import onnx_builders as mb
 

@@ -9,10 +9,10 @@ import pytest
 from sqlalchemy import update
 from typer.testing import CliRunner
 
-from api.db import Database
-from api.limits import Limits
-from api.models import Token, utcnow
-from profiler.cli import app as cli
+from rangeprof.cli import app as cli
+from rangeprof.service.db import Database
+from rangeprof.service.limits import Limits
+from rangeprof.service.models import Token, utcnow
 
 from service_fixtures import BACKENDS, client, live_service, rangeprof
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from profiler.bindings import module_bindings, op_name
-from profiler.stages import STAGE_NAMES
+from rangeprof.profiler.ir.bindings import module_bindings, op_name
+from rangeprof.profiler.ir.stages import STAGE_NAMES
 
 from conftest import ZOO_SHAPES, zoo_model
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.zoo
 
 def _inspect(name):
     path = zoo_model(name)
-    cmd = [sys.executable, "-m", "profiler", "inspect", str(path), "--json"]
+    cmd = [sys.executable, "-m", "rangeprof", "inspect", str(path), "--json"]
     for inp, dims in ZOO_SHAPES[name].items():
         cmd += ["--input-shape", f"{inp}={'x'.join(map(str, dims))}"]
     return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
@@ -38,7 +38,7 @@ def test_full_lineage_and_stable_ids(name):
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "digits_cnn"])
 def test_batch_norms_are_folded_into_convs(name):
-    from profiler.tracking import track_model
+    from rangeprof.profiler.ir.tracking import track_model
 
     tracked = track_model(zoo_model(name), ZOO_SHAPES[name])
     layers = tracked.imported.layers

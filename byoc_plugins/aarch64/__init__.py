@@ -1,7 +1,7 @@
 """aarch64: INT8 code for ARMv8.2-A with the dot product (``sdot``), cross-compiled by LLVM and
 linked by ``aarch64-linux-gnu-g++``; here it runs under qemu-user.
 
-The integer cores are built by the fast CPU path (:mod:`profiler.schedules`) for
+The integer cores are built by the fast CPU path (:mod:`rangeprof.profiler.build.schedules`) for
 :data:`AARCH64_TARGET`, with the same quantization policy as x86 so that the two targets'
 integer outputs agree bit for bit. Deployment and tests go through:
 
@@ -15,7 +15,7 @@ integer outputs agree bit for bit. Deployment and tests go through:
 
 from __future__ import annotations
 
-from profiler.schedules import build
+from rangeprof.profiler.build.schedules import build
 
 from ..patterns import pattern_table
 from ..plugin import Plugin

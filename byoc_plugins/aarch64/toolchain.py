@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"

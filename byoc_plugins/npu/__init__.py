@@ -1,12 +1,12 @@
 """npu: an NPU-style accelerator, programmed through an external codegen that emits C.
 
-The integer cores of the INT8 regions (conv2d — dense, depthwise, grouped, any stride, dilation
-and padding — and matmul) are functions marked ``Codegen: rangeprof_npu``; the codegen
-(:mod:`.codegen`, registered on import as ``relax.ext.rangeprof_npu``) emits C for them: int8
-kernels with int32 accumulation, fixed-point requantization (int32 multiplier + shift), tiled
-to the on-chip buffer (:mod:`.tiling`; ``sram_kb`` or ``$RANGEPROF_NPU_SRAM_KB``, 256 KB by
-default). Everything else — the FP32 operators, quantize / dequantize at the region boundaries
-— is the host's, built by :func:`profiler.schedules.build`. Both land in one shared library.
+The integer cores of the INT8 regions (conv2d — dense, depthwise, grouped, any stride, dilation and
+padding — and matmul) are functions marked ``Codegen: rangeprof_npu``; the codegen (:mod:`.codegen`,
+registered on import as ``relax.ext.rangeprof_npu``) emits C for them: int8 kernels with int32
+accumulation, fixed-point requantization (int32 multiplier + shift), tiled to the on-chip buffer
+(:mod:`.tiling`; ``sram_kb`` or ``$RANGEPROF_NPU_SRAM_KB``, 256 KB by default). Everything else —
+the FP32 operators, quantize / dequantize at the region boundaries — is the host's, built by
+:func:`rangeprof.profiler.build.schedules.build`. Both land in one shared library.
 
 The policy is x86's (asymmetric uint8 activations, symmetric per-channel int8 weights, so the
 same qparams), except that, being integer-only, the NPU requantizes every region output to 8
@@ -19,7 +19,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from profiler.schedules import build, host_target
+from rangeprof.profiler.build.schedules import build, host_target
 
 from ..patterns import pattern_table
 from ..plugin import Plugin

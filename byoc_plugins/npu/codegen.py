@@ -1,7 +1,7 @@
 """The external codegen ``relax.ext.rangeprof_npu``: integer cores in, a C source module out.
 
 ``relax.transform.RunCodegen`` hands it every function of the module marked ``{"Codegen":
-"rangeprof_npu"}`` (the integer cores :mod:`byoc_plugins.lowering` makes with
+"rangeprof_npu"}`` (the integer cores :mod:`rangeprof.byoc.lowering` makes with
 ``external="rangeprof_npu"``), with the options given as ``RunCodegen({"rangeprof_npu":
 {"sram_kb": N}})``. Each core is read (:mod:`.core`), tiled for the buffer (:mod:`.tiling`)
 and emitted as C (:mod:`.emit`) into one ``CSourceModule``; RunCodegen replaces the calls in
@@ -19,7 +19,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from .core import NpuOp, read_core
 from .emit import c_source

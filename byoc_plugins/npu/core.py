@@ -1,6 +1,6 @@
 """Reading an offloaded integer core back into an NPU operation.
 
-The NPU runs exactly what :func:`byoc_plugins.lowering.integer_core` builds — one 8-bit input,
+The NPU runs exactly what :func:`rangeprof.byoc.lowering.integer_core` builds — one 8-bit input,
 one layer, fixed-point requantization — and nothing else. :func:`read_core` checks a
 ``Codegen``-marked Relax function binding by binding against that canonical form:
 
@@ -12,7 +12,7 @@ one layer, fixed-point requantization — and nothing else. :func:`read_core` ch
 
 and returns the constants the hardware takes (:class:`Conv2dOp`, :class:`MatmulOp`). Anything
 else — another operator, a non-constant operand, a rounding constant other than ``2^(S-1)``, a
-multiplier that is not an int32 — is a :class:`~profiler.errors.RangeprofError` naming the
+multiplier that is not an int32 — is a :class:`~rangeprof.profiler.errors.RangeprofError` naming the
 region and the binding, never a silently different computation.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 EIGHT_BITS = ("uint8", "int8")
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

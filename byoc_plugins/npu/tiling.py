@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from profiler.errors import RangeprofError
+from rangeprof.profiler.errors import RangeprofError
 
 from .core import Conv2dOp, MatmulOp, NpuOp
 

@@ -1,18 +1,17 @@
 """x86: INT8 conv2d (dense, depthwise, 1×1) and dense / matmul compiled by LLVM for the host.
 
 The integer cores are inlined into the program and built by the fast CPU path
-(:mod:`profiler.schedules`), whose integer rules pick the dot-product instruction of the target:
-``vpdpbusd`` (AVX-512 VNNI) where the CPU has it; on AVX2 ``vpmaddubsw`` where every weight of
-the layer is within ±64 (``get_plugin("x86", weight_bits=7)``, ``--weight-bits 7``), else
+(:mod:`rangeprof.profiler.build.schedules`), whose integer rules pick the dot-product instruction of
+the target: ``vpdpbusd`` (AVX-512 VNNI) where the CPU has it; on AVX2 ``vpmaddubsw`` where every
+weight of the layer is within ±64 (``get_plugin("x86", weight_bits=7)``, ``--weight-bits 7``), else
 ``vpmaddwd``. Activations are asymmetric uint8 (the unsigned operand of ``vpdpbusd`` and
 ``vpmaddubsw``), weights symmetric int8 per channel, requantization in float32 (the policy's
-``float``: AVX2 has no 64-bit multiply for fixed point).
-Operators outside the pattern table stay FP32 between quantize / dequantize.
-"""
+``float``: AVX2 has no 64-bit multiply for fixed point). Operators outside the pattern table stay
+FP32 between quantize / dequantize."""
 
 from __future__ import annotations
 
-from profiler.schedules import build, host_target
+from rangeprof.profiler.build.schedules import build, host_target
 
 from ..patterns import pattern_table
 from ..plugin import Plugin

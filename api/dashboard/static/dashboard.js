@@ -130,10 +130,29 @@ export function pathId(segment) {
   return Number(parts[parts.indexOf(segment) + 1]);
 }
 
-export function layerHref(modelId, profileId, runId) {
+// A layer's page; `calibration` ({scheme, dtype}) is a chosen view, absent for the target's
+// policy (which the layer page picks by the layer's kind).
+export function layerHref(modelId, profileId, runId, calibration) {
   const q = new URLSearchParams({ pid: profileId });
   if (runId) q.set("run", runId);
+  if (calibration) {
+    q.set("scheme", calibration.scheme);
+    q.set("dtype", calibration.dtype);
+  }
   return `${BASE}/models/${modelId}/layer?${q}`;
+}
+
+// The x86 plugin's quantization policy (rangeprof.byoc.x86 PLUGIN.policy), the dashboard's
+// default view of suggested scales: asymmetric uint8 activations, symmetric int8 weights (per
+// output channel in a build, from the folded constants; per tensor in these views).
+export const X86_POLICY = {
+  activations: { scheme: "asym", dtype: "uint8" },
+  weights: { scheme: "sym", dtype: "int8" },
+};
+
+// "asym uint8"
+export function calibrationName({ scheme, dtype }) {
+  return `${scheme} ${dtype}`;
 }
 
 export function statusBadge(status) {

@@ -7,6 +7,7 @@ import "./vendor/chart.umd.min.js";
 import {
   api,
   BASE,
+  calibrationName,
   el,
   fmt,
   header,
@@ -16,12 +17,19 @@ import {
   pathId,
   query,
   showError,
+  X86_POLICY,
 } from "./dashboard.js";
 
 const modelId = pathId("models");
 const profileId = query().get("pid");
 const COLOURS = { max: "#d32f2f", percentile: "#7b1fa2", entropy: "#1976d2", mse: "#2e7d32" };
 let runId = query().get("run");
+// Thresholds by default as the x86 policy quantizes the layer: a weight symmetric int8, anything
+// else asymmetric uint8 (the same rule as the model page's table, which knows only the kind). A
+// scheme or dtype in the URL is a chosen view; until the layer's kind is known, an activation's.
+const pinned = { scheme: query().get("scheme"), dtype: query().get("dtype") };
+let policy = X86_POLICY.activations;
+const DEFAULT_PERCENTILE = "99.99";
 let histogram; // the Chart.js charts, kept to update in place
 let perChannel;
 
@@ -197,18 +205,66 @@ function showThresholds(qparams) {
   document.querySelector("#thresholds tbody").replaceChildren(...rows);
 }
 
+function view() {
+  return { scheme: pinned.scheme ?? policy.scheme, dtype: pinned.dtype ?? policy.dtype };
+}
+
+function showView() {
+  const shown = view();
+  document.getElementById("scheme").value = shown.scheme;
+  document.getElementById("dtype").value = shown.dtype;
+  const name = calibrationName(shown);
+  const kind = policy === X86_POLICY.weights ? "a weight" : "an activation";
+  document.getElementById("calibration-note").textContent =
+    name === calibrationName(policy)
+      ? `${name}: the x86 policy for ${kind}` +
+        (policy === X86_POLICY.weights ? " (a build scales weights per output channel; per tensor here)." : ".")
+      : `${name}: not the x86 policy for ${kind} (${calibrationName(policy)}).`;
+}
+
+// The page's view in its URL: the run and what differs from the layer's policy.
+function remember() {
+  const q = new URLSearchParams({ pid: profileId });
+  if (runId) q.set("run", runId);
+  if (pinned.scheme !== null || pinned.dtype !== null) {
+    const shown = view();
+    q.set("scheme", shown.scheme);
+    q.set("dtype", shown.dtype);
+  }
+  const percentile = document.getElementById("percentile").value;
+  if (percentile !== DEFAULT_PERCENTILE) q.set("percentile", percentile);
+  history.replaceState(null, "", `${location.pathname}?${q}`);
+  for (const link of document.querySelectorAll("#lineage a[data-layer]")) {
+    link.href = layerHref(modelId, link.dataset.layer, runId, chosenView());
+  }
+}
+
+// Links to other layers keep a chosen view; the policy is chosen per layer.
+function chosenView() {
+  return pinned.scheme !== null || pinned.dtype !== null ? view() : undefined;
+}
+
+let asked = 0; // answers out of order must not overwrite a newer view
+
 async function loadTensor() {
   if (!runId) {
     document.getElementById("histogram-note").textContent = "no done run of this model yet";
     return;
   }
+  const request = ++asked;
   const params = new URLSearchParams({
     profile_id: profileId,
-    scheme: document.getElementById("scheme").value,
-    dtype: document.getElementById("dtype").value,
+    ...view(),
     percentile: document.getElementById("percentile").value,
   });
   const tensor = await api(`/api/runs/${runId}/tensor?${params}`);
+  if (request !== asked) return;
+  const kindPolicy = tensor.entry.kind === "weight" ? X86_POLICY.weights : X86_POLICY.activations;
+  if (kindPolicy !== policy) {
+    policy = kindPolicy;
+    showView();
+    if (pinned.scheme === null || pinned.dtype === null) return loadTensor(); // the policy's view
+  }
   showFacts(tensor.entry);
   showThresholds(tensor.qparams);
   drawHistogram(tensor.entry, tensor.qparams);
@@ -218,7 +274,9 @@ async function loadTensor() {
 function fateText(fate) {
   const [kind, rest] = [fate.slice(0, fate.indexOf(":")), fate.slice(fate.indexOf(":") + 1)];
   if (kind === "folded_into") return [`folded into ${rest}`];
-  if (kind === "aliases") return ["alias of ", el("a", { href: layerHref(modelId, rest, runId) }, rest)];
+  if (kind === "aliases") {
+    return ["alias of ", el("a", { href: layerHref(modelId, rest, runId, chosenView()), "data-layer": rest }, rest)];
+  }
   if (kind === "eliminated") return [`eliminated (${rest})`];
   return [fate];
 }
@@ -257,7 +315,7 @@ async function loadLineage() {
             k ? ", " : null,
             id === profileId
               ? el("strong", {}, id)
-              : el("a", { href: layerHref(modelId, id, runId), "data-layer": id }, id),
+              : el("a", { href: layerHref(modelId, id, runId, chosenView()), "data-layer": id }, id),
           ]),
         ),
         el("td", {}, binding.layers.length > 1 ? `holds ${binding.layers.length} initial layers` : ""),
@@ -282,18 +340,30 @@ async function main() {
   select.value = runId ?? "";
   select.addEventListener("change", () => {
     runId = select.value;
-    const q = new URLSearchParams({ pid: profileId, run: runId });
-    history.replaceState(null, "", `${location.pathname}?${q}`);
+    remember();
     loadTensor().catch(showError);
   });
-  for (const id of ["scheme", "dtype", "percentile"]) {
-    document.getElementById(id).addEventListener("change", () => loadTensor().catch(showError));
+  for (const id of ["scheme", "dtype"]) {
+    document.getElementById(id).addEventListener("change", () => {
+      const chosen = { scheme: document.getElementById("scheme").value, dtype: document.getElementById("dtype").value };
+      const same = calibrationName(chosen) === calibrationName(policy);
+      Object.assign(pinned, same ? { scheme: null, dtype: null } : chosen);
+      showView();
+      remember();
+      loadTensor().catch(showError);
+    });
   }
+  document.getElementById("percentile").addEventListener("change", () => {
+    remember();
+    loadTensor().catch(showError);
+  });
   document.getElementById("log-scale").addEventListener("change", (event) => {
     if (!histogram) return;
     histogram.options.scales.y.type = event.target.checked ? "logarithmic" : "linear";
     histogram.update();
   });
+  document.getElementById("percentile").value = query().get("percentile") ?? DEFAULT_PERCENTILE;
+  showView();
   await Promise.all([loadTensor(), loadLineage()]);
 }
 

@@ -4,6 +4,7 @@ import {
   ACTIVE,
   api,
   BASE,
+  calibrationName,
   el,
   header,
   layerHref,
@@ -16,10 +17,22 @@ import {
   showError,
   statusBadge,
   when,
+  X86_POLICY,
 } from "./dashboard.js";
 
 const modelId = pathId("models");
-const DEFAULTS = { q: "", sort: "position", order: "asc", offset: 0, limit: 50, scheme: "sym" };
+// Scales by default as the x86 plugin quantizes: activations asymmetric uint8, weights ("policy")
+// symmetric int8 whatever the activations' choice; "same" gives weights the activations' choice.
+const DEFAULTS = {
+  q: "",
+  sort: "position",
+  order: "asc",
+  offset: 0,
+  limit: 50,
+  scheme: X86_POLICY.activations.scheme,
+  dtype: X86_POLICY.activations.dtype,
+  weights: "policy",
+};
 const state = {
   run: query().get("run"),
   q: query().get("q") ?? DEFAULTS.q,
@@ -28,6 +41,8 @@ const state = {
   offset: Number(query().get("offset") ?? DEFAULTS.offset),
   limit: Number(query().get("limit") ?? DEFAULTS.limit),
   scheme: query().get("scheme") ?? DEFAULTS.scheme,
+  dtype: query().get("dtype") ?? DEFAULTS.dtype,
+  weights: query().get("weights") ?? DEFAULTS.weights,
 };
 let total = 0;
 let shown = 0; // requests answered out of order must not overwrite a newer table
@@ -41,35 +56,97 @@ function remember() {
   history.replaceState(null, "", q.size ? `${location.pathname}?${q}` : location.pathname);
 }
 
+function isDefaultView() {
+  return ["scheme", "dtype", "weights"].every((key) => state[key] === DEFAULTS[key]);
+}
+
+// The scheme and dtype of a row's scales: the chosen ones, but the weights' own with "policy".
+function rowCalibration(row) {
+  if (row.kind === "weight" && state.weights === "policy") return X86_POLICY.weights;
+  return { scheme: state.scheme, dtype: state.dtype };
+}
+
+function describeCalibration() {
+  const activations = calibrationName(state);
+  const weights = calibrationName(rowCalibration({ kind: "weight" }));
+  const policy =
+    activations === calibrationName(X86_POLICY.activations) && weights === calibrationName(X86_POLICY.weights);
+  document.getElementById("calibration-note").textContent =
+    `Suggested scales for activations ${activations}, weights ${weights}: ` +
+    (policy
+      ? "the x86 policy (asymmetric uint8 activations, symmetric int8 weights; a build scales " +
+        "weights per output channel, per tensor here)."
+      : "not the x86 policy (asym uint8 activations, sym int8 weights).");
+}
+
+// The page of layers. The API applies one scheme and dtype to every row: with weights kept
+// symmetric int8 under another choice, their scales come from a second page of the same rows,
+// asked once the first is drawn (its weights' scales pending meanwhile) and only if it holds
+// weights. The table is aria-busy until its rows are final.
 async function loadLayers() {
   const request = ++shown;
-  const params = new URLSearchParams({
-    sort: state.sort,
-    order: state.order,
-    offset: state.offset,
-    limit: state.limit,
-    scheme: state.scheme,
-  });
-  if (state.run) params.set("run", state.run);
-  if (state.q) params.set("q", state.q);
-  const page = await api(`/api/models/${modelId}/layers?${params}`);
-  if (request !== shown) return;
+  const tableNode = document.getElementById("layers");
+  tableNode.setAttribute("aria-busy", "true");
+  try {
+    const params = new URLSearchParams({
+      sort: state.sort,
+      order: state.order,
+      offset: state.offset,
+      limit: state.limit,
+    });
+    if (state.run) params.set("run", state.run);
+    if (state.q) params.set("q", state.q);
+    const ask = ({ scheme, dtype }) =>
+      api(`/api/models/${modelId}/layers?${params}&${new URLSearchParams({ scheme, dtype })}`);
+    const chosen = { scheme: state.scheme, dtype: state.dtype };
+    const weights = rowCalibration({ kind: "weight" });
+    const page = await ask(chosen);
+    if (request !== shown) return;
+    const differ = calibrationName(weights) !== calibrationName(chosen);
+    // Weights with scales (profiled by the run) whose view is not the chosen one.
+    const apart = (row) => differ && row.kind === "weight" && Object.keys(row.scales).length > 0;
+    const pending = page.rows.some(apart);
+    drawLayers(page, pending ? new Map() : null, apart);
+    if (pending) {
+      const weightPage = await ask(weights);
+      if (request !== shown) return;
+      drawLayers(page, new Map(weightPage.rows.map((row) => [row.profile_id, row.scales])), apart);
+    }
+  } finally {
+    if (request === shown) tableNode.removeAttribute("aria-busy");
+  }
+}
+
+// Rows of `page`; rows for which `apart` holds take their scales from `weightScales` (pending,
+// shown as "…", while it lacks them).
+function drawLayers(page, weightScales, apart) {
   total = page.total;
-  const rows = page.rows.map((row) =>
-    el(
+  const view = isDefaultView();
+  const rows = page.rows.map((row) => {
+    const calibration = rowCalibration(row);
+    const separate = apart(row);
+    const scales = separate ? weightScales.get(row.profile_id) : row.scales;
+    const href = layerHref(modelId, row.profile_id, state.run, view ? undefined : calibration);
+    const scaleCells = METHODS.map((m) =>
+      scales
+        ? numCell(scales[m], { "data-column": `scale-${m}` })
+        : el("td", { class: "num muted", "data-column": `scale-${m}`, "data-value": "" }, "…"),
+    );
+    return el(
       "tr",
-      { "data-profile-id": row.profile_id },
+      { "data-profile-id": row.profile_id, "data-calibration": calibrationName(calibration) },
       el("td", { class: "num" }, row.position),
-      el("td", { class: "mono" }, el("a", { href: layerHref(modelId, row.profile_id, state.run) }, row.profile_id)),
+      el("td", { class: "mono" }, el("a", { href }, row.profile_id)),
       el("td", {}, row.kind),
+      el("td", { class: "mono" }, calibrationName(calibration)),
       el("td", { class: "mono" }, row.op),
       el("td", { class: "mono" }, row.source_node ?? "–"),
       el("td", { class: "mono" }, row.shape ? row.shape.join("×") : "–"),
       numCell(row.min, { "data-column": "min" }),
       numCell(row.max, { "data-column": "max" }),
-      ...METHODS.map((m) => numCell(row.scales[m], { "data-column": `scale-${m}` })),
-    ),
-  );
+      ...scaleCells,
+    );
+  });
   document.querySelector("#layers tbody").replaceChildren(...rows);
   const first = total ? state.offset + 1 : 0;
   document.getElementById("range").textContent = `rows ${first}–${state.offset + rows.length} of ${total}`;
@@ -79,6 +156,7 @@ async function loadLayers() {
     th.classList.toggle("sorted-asc", th.dataset.sort === state.sort && state.order === "asc");
     th.classList.toggle("sorted-desc", th.dataset.sort === state.sort && state.order === "desc");
   }
+  describeCalibration();
   remember();
 }
 
@@ -179,8 +257,8 @@ search.addEventListener("input", () => {
   }, 250);
 });
 
-for (const [id, key] of [["scheme", "scheme"], ["limit", "limit"]]) {
-  const select = document.getElementById(id);
+for (const key of ["scheme", "dtype", "weights", "limit"]) {
+  const select = document.getElementById(key);
   select.value = String(state[key]);
   select.addEventListener("change", () => {
     state[key] = key === "limit" ? Number(select.value) : select.value;

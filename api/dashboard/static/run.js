@@ -1,5 +1,6 @@
-// A profiling run: live progress, downloads (profile, every export format) and its
-// evaluations (queued here with data and labels, or uploaded as a report).
+// A profiling run: live progress, downloads (profile, every export format), its INT8 builds
+// (queued here, live progress, cancel, the artifact) and its evaluations (queued here with data
+// and labels, or uploaded as a report).
 import {
   ACTIVE,
   api,
@@ -41,6 +42,7 @@ async function loadRun() {
   );
   for (const button of document.querySelectorAll("#downloads button")) button.disabled = run.status !== "done";
   document.getElementById("evaluate").querySelector("button").disabled = run.status !== "done";
+  document.getElementById("build").querySelector("button").disabled = run.status !== "done";
   return run;
 }
 
@@ -70,6 +72,129 @@ async function loadEvaluations() {
 function pollEvaluations() {
   poll(loadEvaluations).catch(showError);
 }
+
+// Builds. A done build's manifest never changes: each is fetched once, for its region count.
+const manifests = new Map();
+let buildsAsked = 0; // answers out of order must not overwrite a newer table
+let buildsTimer;
+
+function buildSource(build) {
+  if (build.qparams_id !== null) return `qparams ${build.qparams_id}`;
+  return build.method === "percentile" ? `percentile ${fmt(build.percentile)}` : build.method;
+}
+
+// INT8 regions of a done build's manifest, out of all its regions (the rest kept FP32).
+function regionsCell(manifest) {
+  if (!manifest) return el("td", { class: "num", "data-column": "int8-regions", "data-value": "" }, "–");
+  const total = manifest.regions.length;
+  const int8 = manifest.regions.filter((r) => r.mode === "int8").length;
+  const title = `${int8} of ${total} regions INT8${int8 < total ? `, ${total - int8} kept FP32` : ""}`;
+  return el(
+    "td",
+    { class: "num", "data-column": "int8-regions", "data-value": int8, "data-regions": total, title },
+    `${int8} of ${total}`,
+  );
+}
+
+function artifactName(build) {
+  return `${model.name}-${build.target}-build${build.id}.zip`;
+}
+
+function buildRow(build) {
+  const active = ACTIVE.includes(build.status);
+  const percent = Math.round(100 * build.progress);
+  const manifest = manifests.get(build.id);
+  const failed = (err) => showError(err, "build-error");
+  const cancel = async () => {
+    showError(null, "build-error");
+    await api(`/api/builds/${build.id}/cancel`, { method: "POST" });
+    await refreshBuilds();
+  };
+  const save = () => download(`/api/builds/${build.id}/artifact`, artifactName(build)).catch(failed);
+  return el(
+    "tr",
+    { "data-build-id": build.id, "data-status": build.status, "data-phase": build.phase ?? "" },
+    el("td", { class: "num" }, build.id),
+    el("td", {}, build.target),
+    el("td", {}, buildSource(build)),
+    el("td", { class: "num" }, build.weight_bits),
+    el(
+      "td",
+      {},
+      statusBadge(build.status),
+      active ? el("button", { type: "button", class: "cancel", onclick: () => cancel().catch(failed) }, "cancel") : null,
+    ),
+    el("td", {}, progressBar(build.progress, active ? `${build.phase ?? build.status} ${percent}%` : undefined)),
+    regionsCell(manifest),
+    el(
+      "td",
+      {},
+      build.status === "done"
+        ? el("button", { type: "button", class: "artifact", title: `sha256 ${build.artifact_sha256}`, onclick: save }, "zip")
+        : "",
+    ),
+    el("td", { class: "muted" }, build.error ?? ""),
+  );
+}
+
+// Draw the run's builds now and, while one is queued or running, again every second. Calls may
+// overlap (a new build, a cancel): the newest draws and keeps the one timer.
+async function refreshBuilds() {
+  const asked = ++buildsAsked;
+  const builds = await api(`/api/runs/${runId}/builds`);
+  const unread = builds.filter((b) => b.status === "done" && !manifests.has(b.id));
+  const read = await Promise.all(unread.map((b) => api(`/api/builds/${b.id}`)));
+  for (const build of read) manifests.set(build.id, build.manifest);
+  if (asked !== buildsAsked) return;
+  document.querySelector("#builds tbody").replaceChildren(...builds.map(buildRow));
+  document.getElementById("no-builds").hidden = builds.length > 0;
+  clearTimeout(buildsTimer);
+  if (builds.some((b) => ACTIVE.includes(b.status))) {
+    buildsTimer = setTimeout(() => refreshBuilds().catch(showError), 1000);
+  }
+}
+
+// Stored qparams sets of the run, as a build's alternative to deriving them.
+async function loadQParams() {
+  const sets = await api(`/api/runs/${runId}/qparams`);
+  const select = document.querySelector("#build select[name=qparams_id]");
+  select.replaceChildren(
+    select.options[0],
+    ...sets.map((q) => {
+      const o = q.options;
+      return el("option", { value: q.id }, `set ${q.id}: ${o.method} ${o.scheme} ${o.dtype} ${o.granularity}`);
+    }),
+  );
+}
+
+// Method and percentile derive the qparams; a stored set replaces both.
+function buildFormChoices() {
+  const form = document.getElementById("build");
+  const stored = form.elements.qparams_id.value !== "";
+  form.elements.method.disabled = stored;
+  form.elements.percentile.disabled = stored || form.elements.method.value !== "percentile";
+}
+
+document.getElementById("build").addEventListener("change", buildFormChoices);
+document.getElementById("build").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const form = event.target.elements;
+  const body = { target: form.target.value, weight_bits: Number(form.weight_bits.value) };
+  if (form.qparams_id.value) {
+    body.qparams_id = Number(form.qparams_id.value);
+  } else {
+    body.method = form.method.value;
+    const percentile = form.percentile.value;
+    if (body.method === "percentile" && percentile !== "") body.percentile = Number(percentile);
+  }
+  showError(null, "build-error");
+  try {
+    await api(`/api/runs/${runId}/builds`, { method: "POST", json: body });
+    await refreshBuilds();
+  } catch (err) {
+    showError(err, "build-error");
+  }
+});
 
 document.getElementById("download-profile").addEventListener("click", () =>
   download(`/api/runs/${runId}/profile`, `${model.name}.run${runId}.profile.json`).catch((err) =>
@@ -129,8 +254,15 @@ async function main() {
   header(["Models", `${BASE}/`], [model.name, `${BASE}/models/${model.id}?run=${runId}`], `run ${runId}`);
   document.getElementById("title").textContent = `${model.name}: run ${runId}`;
   if (ACTIVE.includes(run.status)) {
-    poll(async () => ACTIVE.includes((await loadRun()).status)).catch(showError);
+    poll(async () => {
+      const now = await loadRun();
+      if (now.status === "done") loadQParams().catch(showError);
+      return ACTIVE.includes(now.status);
+    }).catch(showError);
   }
+  buildFormChoices();
+  if (run.status === "done") loadQParams().catch(showError);
+  refreshBuilds().catch(showError);
   pollEvaluations();
 }
 

@@ -1,0 +1,1 @@
+"""The service's schema migrations (Alembic), installed as ``rangeprof.migrations``."""

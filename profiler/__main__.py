@@ -1,3 +1,0 @@
-from profiler.cli import app
-
-app(prog_name="rangeprof")

@@ -1,0 +1,213 @@
+"""The vector unit the schedules tile for, read from the build target.
+
+Register tiles must fit the register file: an AVX-512 core holds 32 registers of 16 float32
+lanes, an AVX2 core 16 of 8 (the same tile there spills every accumulator: 4× slower, measured
+on a Zen 3 EPYC), NEON 32 of 4. Rules ask :func:`vector_unit` inside the build (the target is
+the current one), and legalizations pack weights for the same unit.
+
+Integer kernels are built around one dot-product instruction (:class:`DotInstruction`, chosen
+by :func:`dot_instruction`): AVX-512 VNNI ``vpdpbusd`` (u8 × s8, 4 products per int32 lane),
+NEON ``sdot`` (s8 × s8), and on AVX2 either ``vpmaddubsw`` + ``vpmaddwd`` (u8 × s8, 4
+products per lane, exact only for weights within ±64: 7-bit weights) or ``vpmaddwd`` alone
+(int16 pairs, exact for every int8 weight).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+
+from rangeprof.profiler.build.schedules.elementwise import largest_divisor
+
+
+@dataclass(frozen=True)
+class VectorUnit:
+    lanes: int  # float32 lanes per register
+    registers: int
+
+    @property
+    def accumulators(self) -> int:
+        """Registers a register tile may hold; the rest feed the FMAs (weights, broadcasts)."""
+        return self.registers * 3 // 4
+
+    def tile(self, extent: int, block: int) -> int:
+        """Rows of a ``rows × block`` register tile: the largest divisor of ``extent`` whose
+        rows of ``block`` float32 lanes fit the accumulators (a divisor: no tail predicate)."""
+        return largest_divisor(extent, self.accumulators // math.ceil(block / self.lanes))
+
+
+_AVX512 = VectorUnit(16, 32)
+_AVX2 = VectorUnit(8, 16)
+_NEON = VectorUnit(4, 32)
+_SSE = VectorUnit(4, 16)
+
+
+def vector_unit(target: tvm.target.Target | None = None) -> VectorUnit:
+    """The vector unit of ``target`` (default: the current target)."""
+    target = target or tvm.target.Target.current()
+    if target is None or str(target.kind) != "llvm":
+        return _SSE
+    triple = str(target.attrs.get("mtriple", ""))
+    if triple.startswith(("aarch64", "arm64")):
+        return _NEON
+    has = tvm.target.codegen.target_has_features
+    if has("avx512f", target):
+        return _AVX512
+    if has("avx2", target):
+        return _AVX2
+    return _SSE
+
+
+@dataclass(frozen=True)
+class DotInstruction:
+    """An integer dot-product instruction: ``lanes`` int32 accumulators, each adding ``depth``
+    products of a group of activations (one broadcast to every lane, or one per lane) with
+    ``lanes × depth`` packed weights.
+
+    Activations are read as ``data_dtype`` and weights as ``weight_dtype``: legalizations
+    convert activations (and pack weights) to these types, exactly (see :meth:`data_offset`).
+    """
+
+    intrinsic: str  # LLVM intrinsic name, called through T.call_llvm_pure_intrin
+    lanes: int
+    depth: int
+    data_dtype: str
+    weight_dtype: str
+    accumulates: bool  # the instruction adds into its first operand (else: acc + result)
+    registers: int  # vector registers of the target, for the register tile
+    # Largest |weight| for which the instruction is exact (an int8 weight is at most 128).
+    max_weight: int = 128
+    # An instruction that widens the result's int16 pair sums into int32 lanes (multiplying
+    # them by ones), when the first one leaves int16.
+    widen: str = ""
+
+    def data_offset(self, dtype: str) -> int:
+        """What to add to ``dtype`` activations to bring them into ``data_dtype`` exactly:
+        ±128 flips int8 and uint8 (the accumulator is corrected by ``-offset · Σw``)."""
+        if dtype == "int8" and self.data_dtype == "uint8":
+            return 128
+        if dtype == "uint8" and self.data_dtype == "int8":
+            return -128
+        return 0
+
+    def tile(self, extent: int, block: int) -> int:
+        """Rows of a ``rows × block`` int32 register tile (as :meth:`VectorUnit.tile`)."""
+        return largest_divisor(extent, self.registers * 3 // 4 // (block // self.lanes))
+
+    def call(self, acc, data, weight):
+        """``acc + dot(data, weight)`` on vectors: ``acc`` int32 × lanes, ``weight``
+        ``lanes × depth`` packed weights, ``data`` either the ``depth`` activations of one
+        group (broadcast to every lane: a conv's input channels) or the bits of
+        ``lanes × depth`` of them (one group per lane: a depthwise conv's taps)."""
+        width = self.lanes * self.depth
+        loaded = tvm.runtime.DataType(str(data.ty.dtype))
+        if loaded.bits * loaded.lanes == 8 * self.depth * _bytes(self.data_dtype):
+            word = tirx.reinterpret(f"int{8 * self.depth * _bytes(self.data_dtype)}", data)
+            data = tirx.Broadcast(word, self.lanes)
+        # LLVM types the operands without signedness: int8 vectors for u8 and s8 alike.
+        data_vec = tirx.reinterpret(f"int{8 * _bytes(self.data_dtype)}x{width}", data)
+        weight_vec = tirx.reinterpret(f"int{8 * _bytes(self.weight_dtype)}x{width}", weight)
+        out = f"int32x{self.lanes}"
+        if self.widen:
+            pairs = f"int16x{2 * self.lanes}"
+            sums = tirx.call_llvm_pure_intrin(pairs, self.intrinsic, data_vec, weight_vec)
+            ones = tirx.Broadcast(tirx.const(1, "int16"), 2 * self.lanes)
+            return acc + tirx.call_llvm_pure_intrin(out, self.widen, sums, ones)
+        if self.accumulates:
+            return tirx.call_llvm_pure_intrin(out, self.intrinsic, acc, data_vec, weight_vec)
+        return acc + tirx.call_llvm_pure_intrin(out, self.intrinsic, data_vec, weight_vec)
+
+
+def _bytes(dtype: str) -> int:
+    return tvm.runtime.DataType(dtype).bits // 8
+
+
+# Widest first: a rule takes the first whose lanes divide the output channels.
+_VNNI = (
+    DotInstruction("llvm.x86.avx512.vpdpbusd.512", 16, 4, "uint8", "int8", True, 32),
+    DotInstruction("llvm.x86.avx512.vpdpbusd.256", 8, 4, "uint8", "int8", True, 32),
+)
+# No 8-bit dot product on AVX2. vpmaddubsw adds u8·s8 pairs into int16 with saturation: exact
+# while |w| <= 64 (255·64·2 = 32640), then vpmaddwd by ones widens the pair sums to int32 (MLAS's
+# kernel, which saturates on full-range weights). vpmaddwd on int16 pairs is exact for any int8.
+_PMADDUBSW = (
+    DotInstruction(
+        "llvm.x86.avx2.pmadd.ub.sw", 8, 4, "uint8", "int8", False, 16, 64, "llvm.x86.avx2.pmadd.wd"
+    ),
+)
+_PMADDWD = (
+    DotInstruction("llvm.x86.avx2.pmadd.wd", 8, 2, "int16", "int16", False, 16),
+    DotInstruction("llvm.x86.sse2.pmadd.wd", 4, 2, "int16", "int16", False, 16),
+)
+_SDOT = (DotInstruction("llvm.aarch64.neon.sdot.v4i32.v16i8", 4, 4, "int8", "int8", True, 32),)
+# Pairs of int16 products per int32 lane, for depthwise taps: AVX-512 VNNI's vpdpwssd adds
+# them into the accumulator (one instruction per two taps), AVX-512 BW's vpmaddwd does 16 lanes.
+_PAIRS_VNNI = (
+    DotInstruction("llvm.x86.avx512.vpdpwssd.512", 16, 2, "int16", "int16", True, 32),
+    DotInstruction("llvm.x86.avx512.vpdpwssd.256", 8, 2, "int16", "int16", True, 32),
+)
+_PAIRS_AVX512 = (
+    DotInstruction("llvm.x86.avx512.pmaddw.d.512", 16, 2, "int16", "int16", False, 32),
+    _PMADDWD[0],
+)
+DOT_INSTRUCTIONS = {
+    d.intrinsic: d for d in (*_VNNI, *_PMADDUBSW, *_PMADDWD, *_SDOT, *_PAIRS_VNNI, *_PAIRS_AVX512)
+}
+
+
+def dot_instructions(target: tvm.target.Target | None = None) -> tuple[DotInstruction, ...]:
+    """The integer dot-product instructions of ``target`` (default: the current target),
+    widest first; empty when it has none we use."""
+    target = target or tvm.target.Target.current()
+    if target is None or str(target.kind) != "llvm":
+        return ()
+    has = tvm.target.codegen.target_has_features
+    triple = str(target.attrs.get("mtriple", ""))
+    if triple.startswith(("aarch64", "arm64")):
+        return _SDOT if has("dotprod", target) else ()
+    if has("avx512vnni", target):
+        return _VNNI
+    if has("avx2", target):
+        return _PMADDUBSW + _PMADDWD
+    return ()
+
+
+def dot_instruction(
+    channels: int, max_weight: int = 128, target: tvm.target.Target | None = None
+) -> DotInstruction | None:
+    """The first dot instruction of the target (widest, fastest first) whose lanes divide
+    ``channels`` and which is exact for weights up to ``max_weight`` in magnitude, else None."""
+    return next(
+        (
+            d
+            for d in dot_instructions(target)
+            if channels % d.lanes == 0 and max_weight <= d.max_weight
+        ),
+        None,
+    )
+
+
+def pair_instruction(
+    channels: int, target: tvm.target.Target | None = None
+) -> DotInstruction | None:
+    """The widest instruction of ``target`` (x86) that multiplies-adds two int16 products per
+    int32 lane and whose lanes divide ``channels``, else None: depthwise convs pair their taps
+    with it (``vpdpwssd`` on AVX-512 VNNI, ``vpmaddwd`` on AVX-512 BW or AVX2)."""
+    target = target or tvm.target.Target.current()
+    if target is None or str(target.kind) != "llvm":
+        return None
+    if str(target.attrs.get("mtriple", "")).startswith(("aarch64", "arm64")):
+        return None
+    has = tvm.target.codegen.target_has_features
+    if has("avx512vnni", target):
+        pairs = _PAIRS_VNNI
+    elif has("avx512bw", target):
+        pairs = _PAIRS_AVX512
+    elif has("avx2", target):
+        pairs = _PMADDWD[:1]
+    else:
+        return None
+    return next((p for p in pairs if channels % p.lanes == 0), None)

@@ -1,0 +1,2 @@
+"""Quantization parameters from stored statistics (max, percentile, entropy, MSE), or read from
+a QDQ model's pairs."""

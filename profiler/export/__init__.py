@@ -1,0 +1,1 @@
+"""A profile's ranges in other tools' formats (AIMET, ONNX Runtime, TensorRT)."""

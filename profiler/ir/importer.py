@@ -1,0 +1,357 @@
+"""ONNX -> Relax import that knows which ONNX node every binding came from.
+
+TVM's stock importer attaches no spans and names bindings ``lv, lv1, ...``. We subclass it to (1)
+consult our converter registry first and report every unsupported op type at once, and (2) bind each
+node's outputs as soon as the node is converted, so that each ONNX node's Relax bindings are created
+while that node is current. After import, each node claims the bindings reachable backwards from its
+outputs that no earlier node claimed; :class:`~rangeprof.profiler.ir.tagging.TagProfileIDs` then
+writes the resulting profileIDs onto the IR."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass, field
+
+import onnx
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend
+
+from rangeprof.profiler.errors import (
+    ConversionError,
+    DynamicShapeError,
+    RangeprofError,
+    UnsupportedOperatorError,
+)
+from rangeprof.profiler.ir.bindings import (
+    function_bindings,
+    op_name,
+    tensor_dtype,
+    tensor_shape,
+    used_vars,
+)
+from rangeprof.profiler.ir.converters import CONVERTERS
+from rangeprof.profiler.ir.onnx_load import LoadedModel
+from rangeprof.profiler.ir.tagging import (
+    INPUT_PREFIX,
+    OUTPUT_ID,
+    WEIGHT_PREFIX,
+    LayerRecord,
+    TagProfileIDs,
+    node_binding_ids,
+)
+
+# Ops the stock importer handles outside its converter map. ``If`` is not among them: control
+# flow on data (an If that load-time folding could not decide) has no single program to profile.
+_BUILTIN_OPS = frozenset({"Constant"})
+
+
+@dataclass
+class ImportedModel:
+    """The tagged initial IR and what each of its profileIDs stands for."""
+
+    loaded: LoadedModel
+    mod: tvm.IRModule
+    layers: list[LayerRecord]
+    # ONNX nodes without a binding of their own: folded at load time or aliases of their input.
+    fates: dict[str, str] = field(default_factory=dict)
+
+    def layer(self, profile_id: str) -> LayerRecord:
+        return next(r for r in self.layers if r.profile_id == profile_id)
+
+
+def _unsupported_ops(graph: onnx.GraphProto) -> list[str]:
+    stock = onnx_frontend._get_convert_map()
+    missing = []
+    for node in graph.node:
+        known = node.op_type in CONVERTERS or node.op_type in stock
+        if not known and node.op_type not in _BUILTIN_OPS:
+            missing.append(node.op_type)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                missing += _unsupported_ops(attr.g)
+    return missing
+
+
+class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
+    """The stock graph importer with our converter registry and eager binding of node outputs."""
+
+    def __init__(self, shape_dict, dtype_dict, graph: onnx.GraphProto):
+        # Parameters keep their ONNX names (``0``, ``x.1``): data is matched to inputs by them.
+        super().__init__(shape_dict, dtype_dict, sanitize=False)
+        self._node_by_name = {n.name: n for n in graph.node}
+        self._graph_outputs = {o.name for o in graph.output}
+
+    def _check_for_unsupported_ops(self, graph):
+        missing = _unsupported_ops(graph)
+        if missing:
+            raise UnsupportedOperatorError(missing)
+
+    def _convert_operator(self, op_name, inputs, attrs, opset):
+        node_name = attrs["tvm_custom"]["name"]
+        try:
+            if op_name in CONVERTERS:
+                convert = CONVERTERS[op_name].get_converter(opset)
+                sym = convert(self.bb, inputs, attrs, [self._nodes, self._params])
+                if isinstance(sym, relax.Expr):
+                    sym = self.bb.normalize(sym)
+            else:
+                sym = super()._convert_operator(op_name, inputs, attrs, opset)
+        except RangeprofError as err:
+            err.args = (f"node {node_name!r} ({op_name}): {err}",)
+            raise
+        except Exception as err:  # a stock converter rejecting this node's attributes or inputs
+            raise ConversionError(f"node {node_name!r} ({op_name}): {_first_line(err)}") from err
+        node = self._node_by_name.get(node_name)
+        # A graph output stays unbound so that emit_output binds it directly, without an alias.
+        if node is not None and self._graph_outputs.isdisjoint(node.output):
+            sym = self._bind(sym)
+        return sym
+
+    def _bind(self, sym):
+        if isinstance(sym, relax.Tuple):
+            return relax.Tuple([self._bind(f) for f in sym.fields])
+        if isinstance(sym, tvm.ir.Call | relax.TupleGetItem):
+            return self.bb.emit(sym)
+        return sym
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict) -> dict:
+    """Maps each binding Var of ``func`` to the ONNX node it was built for.
+
+    A node claims the unclaimed bindings reachable backwards from its outputs; nodes are visited
+    in graph (topological) order, so a node never claims its producers' bindings. Bindings no
+    output reaches (e.g. unused tuple fields) belong to the node converted when they were emitted,
+    i.e. the owner of the nearest earlier binding (ahead of every claimed one: the first owner).
+    """
+    refs = list(function_bindings("main", func))
+    value_of = {r.var: r.value for r in refs}
+    var_of_value = {r.value: r.var for r in refs if not isinstance(r.value, relax.Var)}
+    owner: dict[relax.Var, str] = {}
+    for node in graph.node:
+        stack = []
+        for name in node.output:
+            expr = tensors.get(name) if name else None
+            if expr is None:
+                continue
+            if isinstance(expr, relax.Tuple):
+                stack += [var_of_value.get(f, f) for f in expr.fields]
+            else:
+                stack.append(var_of_value.get(expr, expr))
+        while stack:
+            var = stack.pop()
+            if not isinstance(var, relax.Var) or var not in value_of or var in owner:
+                continue
+            owner[var] = node.name
+            stack += used_vars(value_of[var])
+    previous = None
+    for ref in refs:
+        if ref.var in owner:
+            previous = owner[ref.var]
+        elif previous is not None:
+            owner[ref.var] = previous
+    # Bindings ahead of every claimed one (a converter's helpers, e.g. the shape computation of
+    # a Squeeze with computed axes) belong to the first node that claimed a binding.
+    first = next((owner[r.var] for r in refs if r.var in owner), None)
+    if first is not None:
+        for ref in refs:
+            owner.setdefault(ref.var, first)
+    return owner
+
+
+def import_onnx(loaded: LoadedModel) -> ImportedModel:
+    """Imports a loaded ONNX model into Relax and tags every binding, input and weight."""
+    model = loaded.model
+    graph = model.graph
+    importer = _TrackingImporter(dict(loaded.input_shapes), dict(loaded.input_dtypes), graph)
+    # The stock importer prints the inputs of a node it fails on; the error we raise says it all.
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            mod = importer.from_onnx(graph, loaded.opset)
+        except AssertionError as err:  # the frontend's checks of a converted node's outputs
+            raise ConversionError(f"{loaded.name}: {_first_line(err)}") from err
+    func = mod["main"]
+    tensors = importer._nodes
+
+    owner = _claim_bindings(func, graph, tensors)
+    _check_static_shapes(func, owner)
+    nodes = {n.name: n for n in graph.node}
+    tensor_of_var = {}
+    for node in graph.node:
+        for name in node.output:
+            expr = tensors.get(name) if name else None
+            if isinstance(expr, relax.Var):
+                tensor_of_var.setdefault(expr, name)
+
+    # A binding of a bare Var (a graph output that is an Identity of another value) is a rename,
+    # not a computation: its lineage is that of the Var, and it gets no profileID of its own.
+    refs = [r for r in function_bindings("main", func) if not isinstance(r.value, relax.Var)]
+    # Graph outputs were bound by emit_output: find them by value.
+    output_vars = {r.value: r.var for r in refs}
+    for out in graph.output:
+        expr = tensors.get(out.name)
+        if expr in output_vars:
+            tensor_of_var.setdefault(output_vars[expr], out.name)
+
+    per_node: dict[str, list[relax.Var]] = {}
+    for ref in refs:
+        if ref.var in owner:
+            per_node.setdefault(owner[ref.var], []).append(ref.var)
+
+    binding_ids: dict[relax.Var, str] = {}
+    layers: list[LayerRecord] = []
+    for param in func.params:
+        layers.append(
+            LayerRecord(
+                profile_id=INPUT_PREFIX + str(param.name),
+                kind="input",
+                op="input",
+                source_node=None,
+                source_op=None,
+                source_tensor=str(param.name),
+                shape=tensor_shape(param.ty),
+                dtype=tensor_dtype(param.ty),
+            )
+        )
+    for ref in refs:
+        var = ref.var
+        node_name = owner.get(var)
+        if node_name is None:
+            profile_id, node = OUTPUT_ID, None
+        else:
+            group = per_node[node_name]
+            profile_id = node_binding_ids(node_name, len(group))[group.index(var)]
+            node = nodes[node_name]
+        binding_ids[var] = profile_id
+        layers.append(
+            LayerRecord(
+                profile_id=profile_id,
+                kind="activation",
+                op=op_name(ref.value),
+                source_node=node_name,
+                source_op=node.op_type if node is not None else None,
+                source_tensor=tensor_of_var.get(var),
+                shape=tensor_shape(var.ty),
+                dtype=tensor_dtype(var.ty),
+            )
+        )
+
+    weight_ids = _weight_ids(graph, tensors)
+    used = _constants_used(func)
+    for const, profile_id in sorted(weight_ids.items(), key=lambda item: item[1]):
+        if const in used:
+            array = const.value.numpy()
+            layers.append(
+                LayerRecord(
+                    profile_id=profile_id,
+                    kind="weight",
+                    op="constant",
+                    source_node=None,
+                    source_op=None,
+                    source_tensor=profile_id.removeprefix(WEIGHT_PREFIX),
+                    shape=list(array.shape),
+                    dtype=str(array.dtype),
+                )
+            )
+
+    ids = [r.profile_id for r in layers]
+    if len(ids) != len(set(ids)):
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        raise AssertionError(f"profileIDs are not unique: {dupes}")
+
+    tagged = TagProfileIDs(binding_ids, weight_ids)(mod)
+    result_id = {}  # node -> profileID of the binding that is its result
+    for node_name, group in per_node.items():
+        ids = node_binding_ids(node_name, len(group))
+        results = [i for v, i in zip(group, ids, strict=True) if v in tensor_of_var]
+        result_id[node_name] = (results or ids)[-1]
+    fates = dict(loaded.fates)
+    for node in graph.node:
+        if node.op_type != "Constant" and node.name not in per_node:
+            fate = _alias_fate(node, tensors, binding_ids)
+            fates.setdefault(node.name, fate or _folded_fate(graph, node.output, result_id))
+    listed = {r.profile_id for r in layers}
+    for profile_id in weight_ids.values():
+        if profile_id not in listed:
+            name = profile_id.removeprefix(WEIGHT_PREFIX)
+            fates.setdefault(profile_id, _folded_fate(graph, [name], result_id))
+    return ImportedModel(loaded=loaded, mod=tagged, layers=layers, fates=fates)
+
+
+def _static(ty) -> bool:
+    if isinstance(ty, relax.TupleType):
+        return all(_static(field) for field in ty.fields)
+    if isinstance(ty, relax.TensorType):
+        shape = ty.shape
+        if isinstance(shape, relax.Var):  # the shape a shape-valued variable holds, if known
+            shape = shape.ty if isinstance(shape.ty, relax.ShapeType) else None
+        values = None if shape is None else shape.values
+        return values is not None and all(isinstance(d, tvm.tirx.IntImm) for d in values)
+    return True  # shapes, objects: no tensor data to observe
+
+
+def _check_static_shapes(func: relax.Function, owner: dict) -> None:
+    """With the input shapes fixed every tensor's shape is known, except where it depends on
+    the data (NonZero, Unique, Compress, a Slice or Expand by an input): the compiled profiling
+    program needs every shape from the input shapes alone."""
+    for ref in function_bindings("main", func):
+        if not _static(ref.var.ty):
+            node = owner.get(ref.var, "?")
+            raise DynamicShapeError(
+                f"node {node!r}: its output shape depends on the input data "
+                f"({ref.var.ty}); rangeprof profiles models whose tensor shapes follow from the "
+                "input shapes"
+            )
+
+
+def _weight_ids(graph: onnx.GraphProto, tensors: dict) -> dict:
+    """Weight constants (initializers and Constant-node outputs) -> their profileIDs."""
+    names = [t.name for t in graph.initializer]
+    names += [o for n in graph.node if n.op_type == "Constant" for o in n.output]
+    ids = {}
+    for name in names:
+        const = tensors.get(name)
+        if isinstance(const, tvm.ir.GenericConst) and const not in ids:
+            ids[const] = WEIGHT_PREFIX + name
+    return ids
+
+
+def _constants_used(func: relax.Function) -> set:
+    used = set()
+
+    def visit(expr):
+        if isinstance(expr, tvm.ir.GenericConst) and isinstance(expr.value, tvm.runtime.Tensor):
+            used.add(expr)
+
+    relax.analysis.post_order_visit(func, visit)
+    return used
+
+
+def _alias_fate(node, tensors, binding_ids) -> str | None:
+    """``aliases:<id>`` for a node whose output is an existing value (Identity-like)."""
+    for name in node.output:
+        expr = tensors.get(name)
+        if isinstance(expr, relax.Var) and expr in binding_ids:
+            return f"aliases:{binding_ids[expr]}"
+        if isinstance(expr, relax.Var):
+            return f"aliases:{INPUT_PREFIX}{expr.name}"
+    return None
+
+
+def _folded_fate(graph: onnx.GraphProto, tensors: list[str], result_id: dict) -> str:
+    """Where a value the frontend computed at import time went: the first node with bindings
+    (in graph order) that consumes it, directly or through other folded nodes."""
+    pending = set(tensors)
+    for node in graph.node:
+        if pending.isdisjoint(node.input):
+            continue
+        if node.name in result_id:
+            return f"folded_into:{result_id[node.name]}"
+        pending.update(node.output)
+    return "eliminated:constant"

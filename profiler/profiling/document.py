@@ -1,0 +1,145 @@
+"""The profile document: what ``rangeprof profile`` writes and every later stage reads.
+
+Schema: ``profiler/schemas/profile.schema.json`` (``SCHEMA_VERSION``). Per tensor it holds the
+layer's identity (profileID, source node and tensor, kind, shape, dtype), whether the tensor depends
+on the data (``static`` tensors — weights and weight transforms — are observed once), and the
+statistics of :class:`~rangeprof.profiler.profiling.statistics.TensorStats` including the exact
+moments and the exact-merge histogram encoding. The ``tensors`` section is deterministic: the same
+data in any sharding gives the same bytes (:func:`tensors_bytes`)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.ir.onnx_load import ModelFacts
+from rangeprof.profiler.ir.tagging import LayerRecord
+from rangeprof.profiler.profiling.statistics import TensorStats
+
+SCHEMA_VERSION = "1.0"
+
+
+class ProfileError(RangeprofError):
+    """A profile file is missing, malformed or of another schema version."""
+
+
+def schema() -> dict:
+    text = resources.files("rangeprof.profiler").joinpath("schemas/profile.schema.json").read_text()
+    return json.loads(text)
+
+
+def build_document(
+    model: ModelFacts,
+    layers: list[LayerRecord],
+    fates: dict[str, str],
+    stages: list[dict],
+    stats: dict[str, TensorStats],
+    static_ids: set[str],
+    run: dict,
+) -> dict:
+    """The profile document for one model, in layer order; ``stages`` are stage reports."""
+    tensors = []
+    for layer in layers:
+        record = stats.get(layer.profile_id)
+        if record is None:
+            continue  # tuples and integer tensors have no range to record
+        tensors.append(
+            {
+                "profile_id": layer.profile_id,
+                "source_node": layer.source_node,
+                "source_op": layer.source_op,
+                "source_tensor": layer.source_tensor,
+                "kind": layer.kind,
+                "op": layer.op,
+                "shape": layer.shape,
+                "dtype": layer.dtype,
+                "static": layer.profile_id in static_ids,
+                **record.to_json(),
+            }
+        )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {
+            "name": model.name,
+            "sha256": model.sha256,
+            "opset": model.opset,
+            "inputs": {k: list(v) for k, v in model.input_shapes.items()},
+            **(
+                {"bound_inputs": {k: v.tolist() for k, v in model.bound.items()}}
+                if model.bound
+                else {}
+            ),
+        },
+        "run": run,
+        "tensors": tensors,
+        "lineage": {"fates": dict(sorted(fates.items())), "stages": stages},
+    }
+
+
+def _listed(arrays: dict) -> dict:
+    return {k: v.tolist() for k, v in arrays.items()}
+
+
+def validate(doc: dict, source: str = "profile") -> dict:
+    """``doc`` if it is a profile of this schema version, else a :class:`ProfileError`."""
+    version = doc.get("schema_version") if isinstance(doc, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ProfileError(f"{source}: schema_version {version!r}, expected {SCHEMA_VERSION!r}")
+    try:
+        jsonschema.validate(doc, schema())
+    except jsonschema.ValidationError as err:
+        where = "/".join(str(p) for p in err.absolute_path) or "top level"
+        raise ProfileError(f"{source}: invalid profile at {where}: {err.message}") from None
+    return doc
+
+
+def load_profile(path: str | Path) -> dict:
+    """Reads and validates a profile JSON file."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProfileError(f"{path}: not a profile JSON file ({err})") from None
+    return validate(doc, str(path))
+
+
+def tensors_bytes(doc: dict) -> bytes:
+    """The ``tensors`` section in canonical form (what shard merges must reproduce)."""
+    return json.dumps(doc["tensors"], sort_keys=True, separators=(",", ":")).encode()
+
+
+def merge_profiles(first: dict, second: dict) -> dict:
+    """Profiles of two disjoint parts of a data set -> the profile of all of it (exact).
+
+    Both must come from the same model, shapes and options; static tensors are identical in
+    both and kept once.
+    """
+    if first["model"] != second["model"]:
+        raise ProfileError("cannot merge profiles of different models or input shapes")
+    if first["run"]["options"]["bins"] != second["run"]["options"]["bins"]:
+        raise ProfileError("cannot merge profiles with different histogram bin counts")
+    theirs = {t["profile_id"]: t for t in second["tensors"]}
+    if set(theirs) != {t["profile_id"] for t in first["tensors"]}:
+        raise ProfileError("cannot merge profiles with different tensors")
+    tensors = []
+    for entry in first["tensors"]:
+        other = theirs[entry["profile_id"]]
+        if entry["static"]:
+            tensors.append(entry)
+            continue
+        merged = TensorStats.from_json(entry).merge(TensorStats.from_json(other))
+        tensors.append({**entry, **merged.to_json()})
+    run = dict(first["run"])
+    run["samples"] = first["run"]["samples"] + second["run"]["samples"]
+    run["batches"] = first["run"]["batches"] + second["run"]["batches"]
+    run["timings"] = {
+        k: round(v + second["run"]["timings"].get(k, 0.0), 6)
+        for k, v in first["run"]["timings"].items()
+    }
+    return {**first, "run": run, "tensors": tensors}

@@ -1,0 +1,526 @@
+"""Compiled TIR statistics kernels: the statistics of :mod:`.statistics`, computed in the
+profiling program right where each tensor is produced, so a run returns a few kilobytes of
+statistics instead of every tensor.
+
+:func:`stats_kernel` gives the PrimFunc for a tensor rank, dtype, channel axis and bin count (any
+shape: dimensions are symbolic, so a model needs a handful of kernels); :func:`decode` turns its
+float64 output vector into a :class:`~rangeprof.profiler.profiling.statistics.TensorStats` equal to
+what ``TensorStats.observe`` computes in numpy: the same finite min and max, NaN and inf counts,
+per-channel ranges and canonical histogram, bit for bit (tested). Only the float64 sums may differ
+in the last bits, because the kernel adds in its own fixed order (16 lanes per chunk of 8192 values,
+chunks in order): deterministic for a given shape, which is all the exact merge needs.
+
+Passes over the tensor, all in one call (the tensor is still in cache from the kernel that wrote
+it):
+
+1. moments: min, max, sum, sum of squares — vectorised over 16 lanes, ``parallel`` over chunks.
+   A NaN or inf makes the sums non-finite; only then a masked pass recounts, skipping them and
+   counting NaN and inf;
+2. the exponent of :func:`~rangeprof.profiler.profiling.statistics.canonical_exponent`, on the
+   float64 bits
+   (``frexp`` reads the exponent field);
+3. the histogram: bin indices in a vector loop (in float32, 8 lanes a register, where that is
+   exact: most tensors), counts in private arrays per worker (counts add in any order, so the
+   split need not be fixed), merged at the end;
+4. per-channel min and max along the channel axis as the kernel lays the tensor out
+   (``[outer, C, inner]``; reduced in registers per group of channels when they are innermost).
+
+Output layout (:data:`HEADER` values, then ``bins`` counts, then ``C`` minima and ``C`` maxima):
+``count, nan_count, inf_count, min, max, sum, sum_sq, exponent, offset, length``.
+
+:class:`Totals` adds up the vectors of many runs of one tensor: what decoding each and merging
+the records in order gives, bit for bit, without building a record per run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+from rangeprof.profiler.profiling.statistics import (
+    INDEX_BITS,
+    MIN_EXPONENT,
+    ChannelRange,
+    Histogram,
+    TensorStats,
+    canonical_exponent,
+    saturated_units,
+)
+
+HEADER = 10
+LANES = 16  # float32 lanes of two AVX2 (one AVX-512) registers
+CHUNK = 8192  # values per moments chunk: fixes the float64 summation order
+_PARALLEL_MIN = 32768  # below this many values one core is faster than waking the pool
+# a second worker's counts cost a merge pass of their own: worth it for larger tensors only
+_PARALLEL_HISTOGRAM = _PARALLEL_MIN
+_BLOCK = 1024  # histogram values whose bin indices are computed in one vector loop
+_SPREAD = 4  # copies of the counts per worker: runs of equal values (ReLU zeros) interleave
+_ROWS = 32  # rows per block of the per-channel reduction
+_MAX_FINITE = {
+    "float16": 65504.0,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
+
+def kernel_view(shape: tuple[int, ...], channel_axis: int | None) -> tuple[int, ...]:
+    """The shape a kernel reads a tensor as: ``(n,)``, or ``(outer, C, inner)`` around the
+    channel axis (a view: the same memory)."""
+    n = math.prod(shape)
+    if channel_axis is None:
+        return (n,)
+    channels = shape[channel_axis]
+    outer = math.prod(shape[:channel_axis])
+    return (outer, channels, n // (outer * channels) if n else 1)
+
+
+def output_length(shape: tuple[int, ...], channel_axis: int | None, bins: int) -> int:
+    channels = 0 if channel_axis is None else shape[channel_axis]
+    return HEADER + bins + 2 * channels
+
+
+def kernel_name(dtype: str, per_channel: bool, bins: int) -> str:
+    return f"observe_stats_{dtype}{'_channels' if per_channel else ''}_b{bins}"
+
+
+@functools.cache
+def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx.PrimFunc:
+    """The statistics kernel for tensors viewed as :func:`kernel_view` gives (see the module
+    doc); with ``per_channel`` the view is ``(outer, C, inner)`` and per-channel ranges are
+    computed too."""
+    dims = [tirx.Var(f"d{i}", "int64") for i in range(3 if per_channel else 1)]
+    n = functools.reduce(lambda a, b: a * b, dims, tirx.const(1, "int64"))
+    work = "float64" if dtype == "float64" else "float32"  # min / max are exact in it
+    big = tirx.const(_MAX_FINITE[dtype], work)
+    inf = tirx.const(math.inf, work)
+    zero = tirx.const(0.0, "float64")
+
+    def value(flat, i):
+        return T.Cast(work, flat[i])
+
+    def wide(flat, i):
+        return T.Cast("float64", flat[i])
+
+    def finite(flat, i):
+        return T.abs(value(flat, i)) <= big
+
+    def finite_or(flat, i, other):
+        # Select, not if_then_else: both sides are safe to compute, and it vectorises.
+        return T.Select(finite(flat, i), value(flat, i), other)
+
+    # --- 1. moments: chunks of CHUNK values, 16 lanes each, then a scalar tail --------------
+    groups = n // LANES
+    per_chunk = CHUNK // LANES
+    chunks = (groups + per_chunk - 1) // per_chunk
+
+    def moments(masked: bool):
+        @T.macro
+        def body(flat, out, part, loop):
+            for c in loop(chunks):
+                lo = T.alloc_buffer((LANES,), work)
+                hi = T.alloc_buffer((LANES,), work)
+                s = T.alloc_buffer((LANES,), "float64")
+                q = T.alloc_buffer((LANES,), "float64")
+                bad = T.alloc_buffer((2, LANES), "int32")  # NaN and inf counts
+                for lane in T.vectorized(LANES):
+                    lo[lane] = inf
+                    hi[lane] = -inf
+                    s[lane] = zero
+                    q[lane] = zero
+                    bad[0, lane] = 0
+                    bad[1, lane] = 0
+                for i in range(T.min(per_chunk, groups - c * per_chunk)):
+                    for lane in T.vectorized(LANES):
+                        if masked:
+                            lo[lane] = T.min(
+                                lo[lane], finite_or(flat, c * CHUNK + i * LANES + lane, inf)
+                            )
+                            hi[lane] = T.max(
+                                hi[lane], finite_or(flat, c * CHUNK + i * LANES + lane, -inf)
+                            )
+                            s[lane] = s[lane] + T.Select(
+                                finite(flat, c * CHUNK + i * LANES + lane),
+                                wide(flat, c * CHUNK + i * LANES + lane),
+                                zero,
+                            )
+                            q[lane] = q[lane] + T.Select(
+                                finite(flat, c * CHUNK + i * LANES + lane),
+                                wide(flat, c * CHUNK + i * LANES + lane)
+                                * wide(flat, c * CHUNK + i * LANES + lane),
+                                zero,
+                            )
+                            bad[0, lane] = bad[0, lane] + T.Cast(
+                                "int32", T.isnan(flat[c * CHUNK + i * LANES + lane])
+                            )
+                            bad[1, lane] = bad[1, lane] + T.Cast(
+                                "int32", T.isinf(flat[c * CHUNK + i * LANES + lane])
+                            )
+                        else:
+                            lo[lane] = T.min(lo[lane], value(flat, c * CHUNK + i * LANES + lane))
+                            hi[lane] = T.max(hi[lane], value(flat, c * CHUNK + i * LANES + lane))
+                            s[lane] = s[lane] + wide(flat, c * CHUNK + i * LANES + lane)
+                            q[lane] = q[lane] + wide(flat, c * CHUNK + i * LANES + lane) * wide(
+                                flat, c * CHUNK + i * LANES + lane
+                            )
+                for lane in T.vectorized(LANES):
+                    part[c, 0, lane] = T.Cast("float64", lo[lane])
+                    part[c, 1, lane] = T.Cast("float64", hi[lane])
+                    part[c, 2, lane] = s[lane]
+                    part[c, 3, lane] = q[lane]
+                    part[c, 4, lane] = T.Cast("float64", bad[0, lane])
+                    part[c, 5, lane] = T.Cast("float64", bad[1, lane])
+            for k in range(1, 7):
+                out[k] = zero
+            out[3] = T.Cast("float64", inf)
+            out[4] = T.Cast("float64", -inf)
+            for c, lane in T.grid(chunks, LANES):
+                out[1] = out[1] + part[c, 4, lane]
+                out[2] = out[2] + part[c, 5, lane]
+                out[3] = T.min(out[3], part[c, 0, lane])
+                out[4] = T.max(out[4], part[c, 1, lane])
+                out[5] = out[5] + part[c, 2, lane]
+                out[6] = out[6] + part[c, 3, lane]
+            for i in range(groups * LANES, n):
+                if finite(flat, i):
+                    out[3] = T.min(out[3], wide(flat, i))
+                    out[4] = T.max(out[4], wide(flat, i))
+                    out[5] = out[5] + wide(flat, i)
+                    out[6] = out[6] + wide(flat, i) * wide(flat, i)
+                elif T.isnan(flat[i]):
+                    out[1] = out[1] + T.float64(1)
+                else:
+                    out[2] = out[2] + T.float64(1)
+
+        return body
+
+    fast_moments, masked_moments = moments(False), moments(True)
+
+    # --- 2 and 3. canonical exponent, histogram ------------------------------------------------
+    blocks = n // _BLOCK
+    padded = (bins // LANES + 1) * LANES  # bins, then the non-finite column, in whole vectors
+
+    def exponent_bits(x):
+        """``frexp(x)[1] + 1022``: the biased exponent field of a normal float64."""
+        return T.bitwise_and(T.shift_right(T.reinterpret("int64", x), 52), T.int64(0x7FF))
+
+    def power_of_two(exponent):
+        return T.reinterpret("float64", T.shift_left(T.int64(1023) + exponent, 52))
+
+    def bin_of(flat, i, scale, offset, narrow=False):
+        if narrow:
+            # In float32, where `narrow_bins` holds: the offset, the bin numbers and 2**-e are
+            # float32-exact, so is x * 2**-e unless it falls below float32's normal range,
+            # where only a negative x's floor can be wrong (rounded to -0 instead of -1).
+            scaled = T.floor(value(flat, i) * T.Cast(work, scale))
+            low = T.Select(
+                value(flat, i) < T.Cast(work, 0), T.min(scaled, T.Cast(work, -1)), scaled
+            )
+            number = T.Cast("int32", low - T.Cast(work, offset))
+        else:
+            number = T.Cast("int32", T.floor(wide(flat, i) * scale) - offset)
+        return T.Select(finite(flat, i), number, T.int32(bins))
+
+    def narrow_bins(exponent, offset, length):
+        """Whether float32 computes the bin numbers exactly: 2**-e a normal float32, bin numbers
+        (before the offset) integers of at most 24 bits."""
+        return tirx.all(
+            exponent >= -127,
+            exponent <= 126,
+            T.max(T.abs(offset), T.abs(offset + length)) <= T.float64(1 << 24),
+        )
+
+    @T.macro
+    def count_bins(flat, counts, scale, offset, loop, count_workers, narrow):
+        for w in loop(count_workers):
+            index = T.alloc_buffer((_BLOCK,), "int32")
+            for k, b0 in T.grid(_SPREAD, padded // LANES):
+                for lane in T.vectorized(LANES):
+                    counts[w, k, b0 * LANES + lane] = 0
+            per_worker = (blocks + count_workers - 1) // count_workers
+            for blk in range(w * per_worker, T.min(blocks, (w + 1) * per_worker)):
+                for j0 in range(_BLOCK // LANES):
+                    for lane in T.vectorized(LANES):
+                        index[j0 * LANES + lane] = bin_of(
+                            flat, blk * _BLOCK + j0 * LANES + lane, scale, offset, narrow
+                        )
+                for j0, k in T.grid(_BLOCK // _SPREAD, _SPREAD):
+                    counts[w, k, index[j0 * _SPREAD + k]] += 1
+
+    @T.macro
+    def histogram(flat, out):
+        # canonical_exponent, on the bits (every value here is a normal float64)
+        e = T.alloc_buffer((1,), "int64")
+        e[0] = T.int64(MIN_EXPONENT)
+        if T.max(T.abs(out[3]), T.abs(out[4])) > zero:
+            e[0] = T.max(
+                e[0],
+                exponent_bits(T.max(T.abs(out[3]), T.abs(out[4]))) - (1022 + INDEX_BITS),
+            )
+        if out[4] - out[3] > zero:
+            e[0] = T.max(e[0], exponent_bits((out[4] - out[3]) / T.float64(bins)) - 1023)
+        for _ in range(4):  # the while loop, bounded: at most two steps from the first guess
+            if T.floor(out[4] * power_of_two(-e[0])) - T.floor(
+                out[3] * power_of_two(-e[0])
+            ) >= T.float64(bins):
+                e[0] = e[0] + T.int64(1)
+        scale = power_of_two(-e[0])
+        offset = T.floor(out[3] * scale)  # an integer below 2**53: exact as float64
+        out[7] = T.Cast("float64", e[0])
+        out[8] = offset
+        out[9] = T.floor(out[4] * scale) - offset + T.float64(1)
+        counts = T.alloc_buffer((workers, _SPREAD, padded), "int32")
+        # float32 bin numbers: no widening, two thirds of the vector instructions of float64
+        if work == "float32" and narrow_bins(e[0], offset, out[9]):
+            if n >= _PARALLEL_HISTOGRAM:
+                count_bins(flat, counts, scale, offset, T.parallel, workers, True)
+            else:
+                count_bins(flat, counts, scale, offset, T.serial, 1, True)
+        elif n >= _PARALLEL_HISTOGRAM:
+            count_bins(flat, counts, scale, offset, T.parallel, workers, False)
+        else:
+            count_bins(flat, counts, scale, offset, T.serial, 1, False)
+        for i in range(blocks * _BLOCK, n):
+            counts[0, 0, bin_of(flat, i, scale, offset)] += 1
+        # the copies summed a vector of bins at a time (the last column holds non-finite values)
+        total = T.alloc_buffer((LANES,), "int32")
+        for b0 in range(padded // LANES):
+            for lane in T.vectorized(LANES):
+                total[lane] = 0
+            for w, k in T.grid(T.if_then_else(n >= _PARALLEL_HISTOGRAM, workers, 1), _SPREAD):
+                for lane in T.vectorized(LANES):
+                    total[lane] = total[lane] + counts[w, k, b0 * LANES + lane]
+            for lane in range(LANES):
+                if b0 * LANES + lane < bins:
+                    out[HEADER + b0 * LANES + lane] = T.Cast("float64", total[lane])
+
+    # --- 4. per-channel ranges over the [outer, C, inner] view, workers over `outer` ----------
+    one = tirx.const(1, "int64")
+    outer, channels, inner = dims if per_channel else (one, one, one)  # unused without channels
+    c_workers = T.max(T.int64(1), T.min(T.int64(workers), outer))
+    c_span = (outer + c_workers - 1) // c_workers
+    c0 = HEADER + bins
+
+    @T.macro
+    def channel_rows(flat, lo, hi, w, lanes):
+        # Per block of rows, each group of `lanes` channels is reduced in registers.
+        for r0 in range((T.min(c_span, outer - w * c_span) + _ROWS - 1) // _ROWS):
+            for g in range(channels // lanes):
+                rlo = T.alloc_buffer((lanes,), work)
+                rhi = T.alloc_buffer((lanes,), work)
+                for lane in T.vectorized(lanes):
+                    rlo[lane] = lo[w, g * lanes + lane]
+                    rhi[lane] = hi[w, g * lanes + lane]
+                for o in range(
+                    w * c_span + r0 * _ROWS,
+                    T.min(T.min(outer, (w + 1) * c_span), w * c_span + (r0 + 1) * _ROWS),
+                ):
+                    for lane in T.vectorized(lanes):
+                        rlo[lane] = T.min(
+                            rlo[lane], finite_or(flat, o * channels + g * lanes + lane, inf)
+                        )
+                        rhi[lane] = T.max(
+                            rhi[lane], finite_or(flat, o * channels + g * lanes + lane, -inf)
+                        )
+                for lane in T.vectorized(lanes):
+                    lo[w, g * lanes + lane] = rlo[lane]
+                    hi[w, g * lanes + lane] = rhi[lane]
+
+    @T.macro
+    def channel_worker(flat, lo, hi, w):
+        for cc in range(channels):
+            lo[w, cc] = inf
+            hi[w, cc] = -inf
+        if inner == 1 and channels % LANES == 0:
+            channel_rows(flat, lo, hi, w, LANES)
+        elif inner == 1 and channels % 8 == 0:
+            channel_rows(flat, lo, hi, w, 8)
+        else:
+            for o in range(w * c_span, T.min(outer, (w + 1) * c_span)):
+                for cc, ii in T.grid(channels, inner):
+                    lo[w, cc] = T.min(
+                        lo[w, cc], finite_or(flat, (o * channels + cc) * inner + ii, inf)
+                    )
+                    hi[w, cc] = T.max(
+                        hi[w, cc], finite_or(flat, (o * channels + cc) * inner + ii, -inf)
+                    )
+
+    @T.macro
+    def channel_ranges(flat, out):
+        lo = T.alloc_buffer((c_workers, channels), work)
+        hi = T.alloc_buffer((c_workers, channels), work)
+        if n >= _PARALLEL_MIN:
+            for w in T.parallel(c_workers):
+                channel_worker(flat, lo, hi, w)
+        else:
+            for w in range(c_workers):
+                channel_worker(flat, lo, hi, w)
+        for cc in range(channels):
+            out[c0 + cc] = T.Cast("float64", inf)
+            out[c0 + channels + cc] = T.Cast("float64", -inf)
+            for w in range(c_workers):
+                out[c0 + cc] = T.min(out[c0 + cc], T.Cast("float64", lo[w, cc]))
+                out[c0 + channels + cc] = T.max(
+                    out[c0 + channels + cc], T.Cast("float64", hi[w, cc])
+                )
+
+    @T.prim_func(private=True, check_well_formed=False)  # the verifier predates s_tir blocks
+    def kernel(x_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
+        x = T.match_buffer(x_handle, dims, dtype)
+        length = T.int64()
+        out = T.match_buffer(out_handle, (length,), "float64")
+        # One opaque root block: Relax analyses expect a block-structured body.
+        with T.sblock("root"):
+            flat = T.decl_buffer((n,), dtype, data=x.data)
+            part = T.alloc_buffer((T.max(chunks, 1), 6, LANES), "float64")
+            out[0] = T.Cast("float64", n)
+            if n >= _PARALLEL_MIN:
+                fast_moments(flat, out, part, T.parallel)
+            else:
+                fast_moments(flat, out, part, T.serial)
+            if not (T.isfinite(out[5]) and T.isfinite(out[6])):  # a NaN or inf somewhere
+                masked_moments(flat, out, part, T.serial)
+            for k in range(7, length):
+                out[k] = zero
+            if bins > 0 and out[1] + out[2] < out[0]:  # some finite value to count
+                histogram(flat, out)
+            if per_channel:
+                channel_ranges(flat, out)
+
+    return kernel
+
+
+def decode(vector: np.ndarray, bins: int, channel_axis: int | None) -> TensorStats:
+    """The :class:`TensorStats` in a kernel's output vector (``bins`` as the kernel counted);
+    per-channel ranges, when the kernel computed them, are recorded under ``channel_axis``, the
+    axis in the initial IR's layout."""
+    head = vector[:HEADER].tolist()  # Python floats: cheaper than numpy scalars one by one
+    count, nans, infs = int(head[0]), int(head[1]), int(head[2])
+    if nans + infs == count:
+        return TensorStats(count=count, nan_count=nans, inf_count=infs)
+    histogram = None
+    if bins:
+        exponent, offset, length = int(head[7]), int(head[8]), int(head[9])
+        counts = vector[HEADER : HEADER + length].astype(np.int64)
+        histogram = Histogram(bins, exponent, offset, counts)
+    per_channel = None
+    channels = (len(vector) - HEADER - bins) // 2
+    if channels:
+        ranges = vector[HEADER + bins :].reshape(2, channels)
+        # A channel without finite values keeps the kernel's infinite start: NaN here.
+        ranges = np.where(np.isinf(ranges), np.nan, ranges)
+        per_channel = ChannelRange(channel_axis, ranges[0], ranges[1])
+    return TensorStats(
+        count=count,
+        nan_count=nans,
+        inf_count=infs,
+        min=head[3],
+        max=head[4],
+        sum=saturated_units(head[5]),
+        sum_sq=saturated_units(head[6]),
+        histogram=histogram,
+        per_channel=per_channel,
+    )
+
+
+class Totals:
+    """The running statistics of one tensor over its kernel vectors, run after run.
+
+    Equal, bit for bit, to decoding every vector and merging the records in order (the exact
+    merge of :class:`TensorStats`), at a fraction of the cost: once the range has settled, a run
+    adds its counts in place, and nothing is built per run. Counts add as float64, exact below
+    2**53 values, and become integers once, in :meth:`stats`.
+    """
+
+    def __init__(self, bins: int, channel_axis: int | None):
+        self.bins, self.channel_axis = bins, channel_axis
+        self.count = self.nan_count = self.inf_count = self.sum = self.sum_sq = 0
+        self.min: float | None = None  # None until a run has a finite value
+        self.max: float | None = None
+        self.exponent = self.offset = 0
+        self.counts: np.ndarray | None = None  # bins of 2**exponent from offset
+        self.lo: np.ndarray | None = None  # per channel; infinite: no finite value yet
+        self.hi: np.ndarray | None = None
+
+    def add(self, vector: np.ndarray) -> None:
+        """Adds one run's kernel output vector (``bins`` counted, as this total was made for)."""
+        head = vector[:HEADER].tolist()  # Python floats: cheaper than numpy scalars one by one
+        count, nans, infs = int(head[0]), int(head[1]), int(head[2])
+        self.count += count
+        self.nan_count += nans
+        self.inf_count += infs
+        if nans + infs == count:
+            return
+        self.sum += saturated_units(head[5])
+        self.sum_sq += saturated_units(head[6])
+        channels = (len(vector) - HEADER - self.bins) // 2
+        c0 = HEADER + self.bins
+        if self.min is None:
+            self.min, self.max = head[3], head[4]
+            if self.bins:
+                self.exponent, self.offset = int(head[7]), int(head[8])
+                self.counts = vector[HEADER : HEADER + int(head[9])].copy()
+            if channels:
+                self.lo = vector[c0 : c0 + channels].copy()
+                self.hi = vector[c0 + channels :].copy()
+            return
+        # The same operations, in the same order, as TensorStats.merge (signed zeros included).
+        vmin, vmax = min(self.min, head[3]), max(self.max, head[4])
+        if self.bins:
+            exponent, offset = int(head[7]), int(head[8])
+            counts = vector[HEADER : HEADER + int(head[9])]
+            if vmin != self.min or vmax != self.max:  # a wider range: re-bin to its exponent
+                self._rebin(canonical_exponent(vmin, vmax, self.bins), vmin, vmax)
+            if exponent == self.exponent:  # the common case once the range has settled
+                start = offset - self.offset
+                self.counts[start : start + len(counts)] += counts
+            else:
+                _add_rebinned(self.counts, self.exponent, self.offset, counts, exponent, offset)
+        self.min, self.max = vmin, vmax
+        if channels:
+            np.fmin(self.lo, vector[c0 : c0 + channels], out=self.lo)
+            np.fmax(self.hi, vector[c0 + channels :], out=self.hi)
+
+    def _rebin(self, exponent: int, vmin: float, vmax: float) -> None:
+        offset = math.floor(math.ldexp(vmin, -exponent))
+        total = np.zeros(math.floor(math.ldexp(vmax, -exponent)) - offset + 1)
+        _add_rebinned(total, exponent, offset, self.counts, self.exponent, self.offset)
+        self.exponent, self.offset, self.counts = exponent, offset, total
+
+    def stats(self) -> TensorStats:
+        """The merged record of every run added so far."""
+        if self.min is None:
+            return TensorStats(count=self.count, nan_count=self.nan_count, inf_count=self.inf_count)
+        histogram = None
+        if self.counts is not None:
+            counts = self.counts.astype(np.int64)
+            histogram = Histogram(self.bins, self.exponent, self.offset, counts)
+        per_channel = None
+        if self.lo is not None:
+            # A channel without finite values keeps the kernel's infinite start: NaN here.
+            lo, hi = (np.where(np.isinf(r), np.nan, r) for r in (self.lo, self.hi))
+            per_channel = ChannelRange(self.channel_axis, lo, hi)
+        return TensorStats(
+            count=self.count,
+            nan_count=self.nan_count,
+            inf_count=self.inf_count,
+            min=self.min,
+            max=self.max,
+            sum=self.sum,
+            sum_sq=self.sum_sq,
+            histogram=histogram,
+            per_channel=per_channel,
+        )
+
+
+def _add_rebinned(
+    total: np.ndarray, exponent: int, offset: int, counts: np.ndarray, finer: int, first: int
+) -> None:
+    """Adds ``counts`` (bins of ``2**finer`` from ``first``) to ``total`` (bins of the coarser
+    ``2**exponent`` from ``offset``): bin ``i`` goes to ``i >> (exponent - finer)``."""
+    index = ((np.arange(len(counts), dtype=np.int64) + first) >> (exponent - finer)) - offset
+    total += np.bincount(index, weights=counts, minlength=len(total))

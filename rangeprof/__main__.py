@@ -1,0 +1,3 @@
+from rangeprof.cli import app
+
+app(prog_name="rangeprof")

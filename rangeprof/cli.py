@@ -1,0 +1,771 @@
+"""The ``rangeprof`` command line.
+
+User errors (:class:`~rangeprof.profiler.errors.RangeprofError`) print one line on stderr and exit
+with code 2; the JSON printed by ``--json`` goes to stdout alone so it can be piped."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rangeprof.profiler.errors import RangeprofError
+
+app = typer.Typer(
+    help="Tensor-range profiling with IR tracking for INT8 quantization on Apache TVM.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+_err = Console(stderr=True)
+_out = Console()
+
+InputShapes = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--input-shape",
+        help="Static shape of an input, NAME=DIMS (e.g. x=1x3x48x192); repeatable.",
+    ),
+]
+
+
+def _no_bars() -> bool:
+    """Progress bars only on a terminal: in a log or a pipe they are noise, and rich ends a
+    transient bar there with an empty line, ahead of a one-line error."""
+    return not _err.is_terminal
+
+
+def _fail(err: RangeprofError) -> typer.Exit:
+    _err.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+def _check_out(out: Path) -> None:
+    """Before the work: the folder a result file goes to must exist."""
+    if not out.parent.is_dir():
+        raise RangeprofError(f"{out}: folder {out.parent} does not exist")
+
+
+def _write(out: Path, text: str) -> None:
+    """Write a command's result file; a path that cannot be written is a one-line error."""
+    try:
+        out.write_text(text)
+    except OSError as err:
+        raise _fail(RangeprofError(f"{out}: cannot write: {err.strerror}")) from None
+
+
+def _shapes(values: list[str] | None) -> dict[str, tuple[int, ...]]:
+    from rangeprof.profiler.ir.onnx_load import parse_input_shape
+
+    return dict(parse_input_shape(v) for v in values or [])
+
+
+@app.callback()
+def _main() -> None:
+    """rangeprof: profile FP32 tensor ranges by profileID, then quantize from the profile."""
+
+
+@app.command()
+def inspect(
+    model: Annotated[Path, typer.Argument(help="ONNX model file.")],
+    input_shape: InputShapes = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show the model's layers with their profileIDs and the lineage after every stage."""
+    from rangeprof.profiler.ir.tracking import track_model
+
+    try:
+        with _err.status("importing and tracking stages...", spinner="dots"):
+            tracked = track_model(model, _shapes(input_shape))
+    except RangeprofError as err:
+        raise _fail(err) from None
+    doc = tracked.to_json()
+    if as_json:
+        typer.echo(json.dumps(doc, indent=1))
+        return
+    out = Console(width=max(Console().width, 160))
+    info = doc["model"]
+    out.print(
+        f"[bold]{info['name']}[/bold]  sha256 {info['sha256'][:16]}…  inputs {info['inputs']}"
+    )
+    layers = Table("profile_id", "op", "source_op", "source_tensor", "shape", "dtype")
+    for column in layers.columns:
+        column.overflow = "fold"
+    for layer in doc["layers"]:
+        layers.add_row(
+            layer["profile_id"],
+            layer["op"],
+            layer["source_op"] or layer["kind"],
+            layer["source_tensor"] or "",
+            "x".join(map(str, layer["shape"])) if layer["shape"] is not None else "",
+            layer["dtype"],
+        )
+    out.print(layers)
+    stages = Table("stage", "bindings", "tracked", "fates")
+    for stage in doc["stages"]:
+        stages.add_row(
+            stage["name"], str(stage["bindings"]), str(stage["tracked"]), str(len(stage["fates"]))
+        )
+    out.print(stages)
+
+
+@app.command()
+def profile(
+    model: Annotated[Path, typer.Argument(help="ONNX model file.")],
+    data: Annotated[
+        str,
+        typer.Option(
+            help="Calibration data: FILE.npz[:KEY[,KEY...]], FILE.npy, a folder of images, "
+            "or 'random'."
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="Where to write the profile JSON.")],
+    input_shape: InputShapes = None,
+    bins: Annotated[int, typer.Option(help="Histogram bins (0: no histograms).")] = 2048,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(help="Samples per executor run (default: the model's batch, else 1)."),
+    ] = None,
+    samples: Annotated[int | None, typer.Option(help="Use at most this many samples.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for --data random.")] = 0,
+    constant_input: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--constant-input",
+            metavar="NAME",
+            help="An input fed whole in every run (a state, mask or length: its array has the "
+            "input's full shape, no sample axis); repeatable. Scalar inputs always are.",
+        ),
+    ] = None,
+    preprocess: Annotated[
+        str | None,
+        typer.Option(
+            help="Image preprocessing, e.g. 'size=48x192,mean=0.5,0.5,0.5,std=0.5,0.5,0.5'."
+        ),
+    ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS|local",
+            help="Profile shards of the data on a Ray cluster: 'local' starts one on this "
+            "machine, else its address (needs rangeprof[ray]).",
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(min=1, help="Ray workers (with --ray; default 2), each with its CPU share."),
+    ] = None,
+    shards: Annotated[
+        int | None,
+        typer.Option(min=1, help="Shards of the data (with --ray; default 4 per worker)."),
+    ] = None,
+) -> None:
+    """Run calibration data through the instrumented FP32 model and write the profile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from rangeprof.profiler.profiling.data import parse_preprocess
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    try:
+        _check_out(out)
+        if bins < 0:
+            raise RangeprofError(f"--bins {bins} is negative")
+        options = ProfileOptions(
+            bins=bins,
+            batch_size=batch_size,
+            samples=samples,
+            seed=seed,
+            constant_inputs=tuple(constant_input or ()),
+        )
+        spec = parse_preprocess(preprocess) if preprocess else None
+        execute = profile_model
+        if ray is not None:
+            from rangeprof.profiler.profiling.distributed import profile_distributed, require_ray
+
+            require_ray()  # before anything is loaded
+            execute = functools.partial(
+                profile_distributed, address=ray, workers=workers or 2, shards=shards
+            )
+        elif workers is not None or shards is not None:
+            raise RangeprofError("--workers and --shards apply to profiling on Ray: add --ray")
+        with Progress(*columns, console=_err, transient=True, disable=_no_bars()) as bar:
+            task = bar.add_task("compiling", total=None)
+
+            def advance(done: int, total: int) -> None:
+                bar.update(task, description="profiling", completed=done, total=total)
+
+            doc = execute(
+                model,
+                data,
+                input_shapes=_shapes(input_shape),
+                options=options,
+                preprocess=spec,
+                progress=advance,
+            )
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _write(out, json.dumps(doc, indent=1))
+    run = doc["run"]
+    _err.print(
+        f"profiled {len(doc['tensors'])} tensors on {run['samples']} samples "
+        f"in {run['timings']['total_s']:.1f}s -> {out}",
+        highlight=False,
+    )
+
+
+Method = Annotated[str, typer.Option(help="max | percentile | entropy | mse")]
+Percentile = Annotated[float, typer.Option(help="Percentile for --method percentile.")]
+Scheme = Annotated[str, typer.Option(help="sym | asym")]
+Dtype = Annotated[str, typer.Option(help="int8 | uint8 | int16")]
+Granularity = Annotated[str, typer.Option(help="per-tensor | per-channel (weights)")]
+PowerOfTwo = Annotated[bool, typer.Option(help="Round scales up to powers of two.")]
+
+
+def _options(method, percentile, scheme, dtype, granularity, power_of_two):
+    from rangeprof.profiler.calibrate.methods import CalibrationOptions
+
+    return CalibrationOptions(
+        method=method,
+        percentile=percentile,
+        scheme=scheme,
+        dtype=dtype,
+        granularity=granularity,
+        power_of_two=power_of_two,
+    )
+
+
+@app.command()
+def calibrate(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
+    out: Annotated[Path, typer.Option(help="Where to write the QPARAMS JSON.")],
+    method: Method = "max",
+    percentile: Percentile = 99.99,
+    scheme: Scheme = "sym",
+    dtype: Dtype = "int8",
+    granularity: Granularity = "per-tensor",
+    power_of_two: PowerOfTwo = False,
+) -> None:
+    """Derive quantization parameters per profileID from a stored profile."""
+    from rangeprof.profiler.calibrate.methods import calibrate as derive
+    from rangeprof.profiler.profiling.document import load_profile
+
+    try:
+        _check_out(out)
+        options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
+        doc = derive(load_profile(profile_path), options)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _write(out, json.dumps(doc, indent=1))
+    _err.print(f"{len(doc['qparams'])} tensors calibrated ({method}) -> {out}", highlight=False)
+
+
+@app.command("import-qparams")
+def import_qparams(
+    model: Annotated[Path, typer.Argument(help="QDQ ONNX model file.")],
+    out: Annotated[Path, typer.Option(help="Where to write the QPARAMS JSON.")],
+    input_shape: InputShapes = None,
+) -> None:
+    """Read a QDQ model's embedded scales as a QPARAMS document, by profileID, for `build`."""
+    from rangeprof.profiler.calibrate.imported import import_qparams as read
+
+    try:
+        _check_out(out)
+        doc = read(model, _shapes(input_shape))
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _write(out, json.dumps(doc, indent=1))
+    kinds = [e["kind"] for e in doc["qparams"]]
+    _err.print(
+        f"{len(kinds) - kinds.count('weight')} tensors and {kinds.count('weight')} weights "
+        f"({doc['options']['scheme']} {doc['options']['dtype']}) -> {out}",
+        highlight=False,
+    )
+
+
+@app.command()
+def export(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
+    fmt: Annotated[str, typer.Option("--format", help="aimet | ort | ort-json | tensorrt")],
+    out: Annotated[Path, typer.Option(help="Where to write the export.")],
+    method: Method = "max",
+    percentile: Percentile = 99.99,
+    scheme: Scheme = "sym",
+    dtype: Dtype = "int8",
+    granularity: Granularity = "per-tensor",
+    power_of_two: PowerOfTwo = False,
+) -> None:
+    """Write the profile's ranges in another tool's format."""
+    from rangeprof.profiler.export.formats import export as render
+    from rangeprof.profiler.profiling.document import load_profile
+
+    try:
+        _check_out(out)
+        options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
+        text = render(load_profile(profile_path), fmt, options)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _write(out, text)
+    _err.print(f"{fmt} export -> {out}", highlight=False)
+
+
+# INT8 builds and their evaluation (`rangeprof.byoc`).
+
+Target = Annotated[str, typer.Option(help="x86 | aarch64 | npu")]
+QparamsFile = Annotated[
+    Path | None, typer.Option("--qparams", help="QPARAMS JSON (from `rangeprof calibrate`).")
+]
+ProfileFile = Annotated[
+    Path | None,
+    typer.Option("--profile", help="Profile JSON: qparams derived with the target's policy."),
+]
+Budget = Annotated[
+    float | None,
+    typer.Option(
+        help="Top-1 points INT8 may lose (agreement without labels): the most sensitive layers "
+        "stay FP32 until it holds; needs --data."
+    ),
+]
+Fallback = Annotated[
+    bool, typer.Option(help="Regions without qparams stay FP32 instead of failing.")
+]
+EvalData = Annotated[str | None, typer.Option(help="Evaluation data, FILE.npz:KEY.")]
+Labels = Annotated[str | None, typer.Option(help="Labels for top-1, FILE.npz:KEY.")]
+Samples = Annotated[int | None, typer.Option(help="Use at most this many samples.")]
+WeightBits = Annotated[
+    int,
+    typer.Option(
+        help="8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI multiply "
+        "with vpmaddubsw (faster, a little less accurate)."
+    ),
+]
+
+
+def _labels(spec: str | None):
+    import numpy as np
+
+    if spec is None:
+        return None
+    path, _, key = spec.partition(":")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            key = key or next(iter(arrays.files))
+            if key not in arrays.files:
+                raise RangeprofError(f"{path}: no array {key!r} (has {', '.join(arrays.files)})")
+            labels = arrays[key]
+    except (OSError, ValueError) as err:
+        raise RangeprofError(f"{path}: cannot read labels ({err})") from None
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise RangeprofError(f"{spec}: labels must be a 1-D integer array")
+    return labels
+
+
+def _load_profile(profile: Path | None) -> dict | None:
+    from rangeprof.profiler.profiling.document import load_profile
+
+    return None if profile is None else load_profile(profile)
+
+
+def _qparams_doc(qparams: Path | None, profile: dict | None, plugin, method: str, pct: float):
+    """The QPARAMS document: read from ``--qparams``, or derived from a loaded profile."""
+    import jsonschema
+
+    from rangeprof.byoc.quantized import qparams_from_profile
+    from rangeprof.profiler.calibrate.methods import schema
+
+    if (qparams is None) == (profile is None):
+        raise RangeprofError("give exactly one of --qparams and --profile")
+    if profile is not None:
+        return qparams_from_profile(profile, plugin, method, pct)
+    try:
+        doc = json.loads(qparams.read_text())
+        jsonschema.validate(doc, schema())
+    except OSError as err:
+        raise RangeprofError(f"{qparams}: {err.strerror}") from None
+    except (ValueError, jsonschema.ValidationError) as err:
+        detail = getattr(err, "message", str(err)).splitlines()[0]
+        raise RangeprofError(f"{qparams}: not a QPARAMS document ({detail})") from None
+    return doc
+
+
+@app.command()
+def build(
+    model: Annotated[Path, typer.Argument(help="ONNX model file.")],
+    out: Annotated[Path, typer.Option(help="Folder for model.so and manifest.json.")],
+    target: Target = "x86",
+    qparams: QparamsFile = None,
+    profile: ProfileFile = None,
+    method: Method = "max",
+    percentile: Percentile = 99.99,
+    input_shape: InputShapes = None,
+    fp32_fallback: Fallback = False,
+    accuracy_budget: Budget = None,
+    data: EvalData = None,
+    labels: Labels = None,
+    samples: Samples = None,
+    weight_bits: WeightBits = 8,
+) -> None:
+    """Compile the model with INT8 regions for a target into a deployable artifact."""
+    from rangeprof.byoc.artifact import build_artifact
+    from rangeprof.byoc.evaluate import fit_budget
+    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.byoc.quantized import quantize_model
+
+    try:
+        plugin = get_plugin(target, weight_bits)
+        if accuracy_budget is not None and data is None:
+            raise RangeprofError("--accuracy-budget needs --data to measure the drop")
+        doc = _qparams_doc(qparams, _load_profile(profile), plugin, method, percentile)
+        shapes = _shapes(input_shape)
+        qm = quantize_model(model, doc, plugin, shapes, fp32_fallback)
+        kept: frozenset[str] = frozenset()
+        if accuracy_budget is not None:
+            # Targets with the same policy compute the same integers: measure where code runs.
+            host = plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
+            measured = (
+                qm if host is plugin else quantize_model(model, doc, host, shapes, fp32_fallback)
+            )
+            with _progress() as advance:
+                result = fit_budget(
+                    measured, data, accuracy_budget, _labels(labels), samples, advance
+                )
+            kept = frozenset(result.kept_fp32)
+        manifest = build_artifact(qm, out, kept)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    int8 = sum(r["mode"] == "int8" for r in manifest["regions"])
+    _err.print(
+        f"{target}: {int8} of {len(manifest['regions'])} regions INT8"
+        + (f", kept FP32: {', '.join(manifest['kept_fp32'])}" if manifest["kept_fp32"] else "")
+        + f" -> {out / manifest['library']}",
+        highlight=False,
+    )
+
+
+def _progress():
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress
+
+    @contextmanager
+    def bar():
+        with Progress(
+            "{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=_err,
+            transient=True,
+            disable=_no_bars(),
+        ) as progress:
+            task = progress.add_task("compiling", total=None)
+
+            def advance(what: str, done: int, total: int) -> None:
+                progress.update(task, description=what, completed=done, total=total)
+
+            yield advance
+
+    return bar()
+
+
+def _evaluation_table(doc: dict) -> Table:
+    table = Table(title="per layer, worst isolated SQNR first")
+    for column in ("profileID", "pattern", "mode", "isolated dB", "accumulated dB", "rmse/scale"):
+        table.add_column(column)
+
+    def db(value):
+        return "exact" if value is None else f"{value:.2f}"
+
+    for layer in doc["layers"]:
+        table.add_row(
+            layer["profile_id"],
+            layer["pattern"].split(".", 1)[-1],
+            layer["mode"],
+            db(layer["isolated_sqnr_db"]),
+            db(layer["accumulated_sqnr_db"]),
+            f"{layer['isolated_rmse_per_scale']:.2f} / {layer['accumulated_rmse_per_scale']:.2f}",
+        )
+    return table
+
+
+@app.command()
+def evaluate(
+    model: Annotated[Path, typer.Argument(help="ONNX model file.")],
+    data: Annotated[str, typer.Option(help="Evaluation data, FILE.npz:KEY.")],
+    labels: Labels = None,
+    target: Annotated[str, typer.Option(help="x86 | npu")] = "x86",
+    qparams: QparamsFile = None,
+    profile: ProfileFile = None,
+    method: Annotated[
+        str, typer.Option(help="max | percentile | entropy | mse | all (with --profile)")
+    ] = "max",
+    percentile: Percentile = 99.99,
+    input_shape: InputShapes = None,
+    fp32_fallback: Fallback = False,
+    accuracy_budget: Budget = None,
+    samples: Samples = None,
+    weight_bits: WeightBits = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """FP32 vs INT8: top-1, agreement, output SQNR and per-layer error by profileID."""
+    from rangeprof.byoc.evaluate import evaluate as run_evaluation
+    from rangeprof.byoc.evaluate import fit_budget
+    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.byoc.quantized import quantize_model
+    from rangeprof.profiler.calibrate.methods import METHODS
+
+    try:
+        if target not in ("x86", "npu"):
+            raise RangeprofError(f"evaluate runs on x86 or npu, not {target!r}")
+        plugin = get_plugin(target, weight_bits)
+        methods = list(METHODS) if method == "all" else [method]
+        if method == "all" and profile is None:
+            raise RangeprofError("--method all needs --profile")
+        truth = _labels(labels)
+        results = []
+        loaded, qm = _load_profile(profile), None
+        compiled: dict = {}  # the FP32 program serves every method
+        for name in methods:
+            doc = _qparams_doc(qparams, loaded, plugin, name, percentile)
+            if qm is None:
+                qm = quantize_model(model, doc, plugin, _shapes(input_shape), fp32_fallback)
+            else:
+                qm = qm.replanned(doc, fp32_fallback)
+            with _progress() as advance:
+                if accuracy_budget is None:
+                    result = run_evaluation(
+                        qm, data, truth, samples, progress=advance, compiled=compiled
+                    )
+                else:
+                    result = fit_budget(
+                        qm, data, accuracy_budget, truth, samples, advance, compiled
+                    )
+            results.append((doc["options"]["method"], result.to_json()))
+    except RangeprofError as err:
+        raise _fail(err) from None
+
+    def rank(item):
+        _, doc = item
+        return (doc.get("int8_top1", doc["agreement"]), doc["output_sqnr_db"] or math.inf)
+
+    best_method, best = max(results, key=rank)
+    report = {"method": best_method, "target": target, "weight_bits": weight_bits, **best}
+    report["methods"] = [
+        {
+            "method": name,
+            "output_sqnr_db": doc["output_sqnr_db"],
+            "agreement": doc["agreement"],
+            **({"int8_top1": doc["int8_top1"]} if "int8_top1" in doc else {}),
+        }
+        for name, doc in results
+    ]
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return
+    top1 = (
+        f"top-1 FP32 {report['fp32_top1']:.2f}% INT8 {report['int8_top1']:.2f}%, "
+        if "fp32_top1" in report
+        else ""
+    )
+    _out.print(
+        f"{target}, {report['samples']} samples, method {best_method}: {top1}"
+        f"agreement {report['agreement']:.2f}%, output SQNR {report['output_sqnr_db']} dB",
+        highlight=False,
+    )
+    if len(results) > 1:
+        for row in report["methods"]:
+            _out.print(
+                f"  {row['method']:<10} SQNR {row['output_sqnr_db']} dB, agreement "
+                f"{row['agreement']:.2f}%"
+                + (f", INT8 top-1 {row['int8_top1']:.2f}%" if "int8_top1" in row else ""),
+                highlight=False,
+            )
+    if report["kept_fp32"]:
+        _out.print(f"kept FP32 for the budget: {', '.join(report['kept_fp32'])}", highlight=False)
+    Console(width=max(_out.width, 140)).print(_evaluation_table(report))
+
+
+# The service (the `api` package); imported inside the commands so the others stay fast.
+
+Db = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        envvar="RANGEPROF_DB",
+        help="Database URL (sqlite:///FILE or postgresql://USER@HOST/DB); default: SQLite in "
+        "the user's data folder.",
+    ),
+]
+Storage = Annotated[
+    str | None,
+    typer.Option(
+        envvar="RANGEPROF_STORAGE",
+        help="Folder for uploaded files; default: FILE-blobs next to an SQLite FILE.",
+    ),
+]
+Jobs = Annotated[int, typer.Option(min=0, help="Runs executed at a time.")]
+
+db_app = typer.Typer(help="The service's database.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+
+@app.command()
+def serve(
+    db: Db = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    storage: Storage = None,
+    jobs: Annotated[
+        int, typer.Option(min=0, help="Runs executed at a time in this process (0: none).")
+    ] = 1,
+    max_model_mb: Annotated[float, typer.Option(help="Largest model upload.")] = 1024,
+    max_data_mb: Annotated[float, typer.Option(help="Largest .npz upload.")] = 1024,
+    max_job_minutes: Annotated[
+        float, typer.Option(min=0, help="Wall time of a run, evaluation or build; then it fails.")
+    ] = 60,
+    max_uploads: Annotated[
+        int, typer.Option(min=1, help="Uploads received at once; more are told to retry (503).")
+    ] = 8,
+) -> None:
+    """Run the REST API, with a worker for its runs unless --jobs 0."""
+    import logging
+    import socket
+
+    import uvicorn
+
+    from rangeprof.service.app import create_app
+    from rangeprof.service.limits import MB, Limits
+
+    limits = Limits(
+        int(max_model_mb * MB),
+        int(max_data_mb * MB),
+        max_job_seconds=60 * max_job_minutes,
+        max_concurrent_uploads=max_uploads,
+    )
+    try:
+        service = create_app(
+            db,
+            storage=storage,
+            jobs=jobs,
+            worker_name=f"serve@{socket.gethostname()}:{port}",
+            limits=limits,
+        )
+    except RangeprofError as err:
+        raise _fail(err) from None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s %(message)s")
+    uvicorn.run(service, host=host, port=port)
+
+
+@app.command()
+def worker(
+    db: Db = None,
+    storage: Storage = None,
+    jobs: Jobs = 1,
+    name: Annotated[
+        str | None, typer.Option(help="Worker name in the run rows (default HOST:PID).")
+    ] = None,
+) -> None:
+    """Execute queued runs (beside a server started with --jobs 0), until SIGINT or SIGTERM."""
+    import logging
+
+    from rangeprof.service.jobs import run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        run_worker(db, storage, jobs=jobs, name=name)
+    except RangeprofError as err:
+        raise _fail(err) from None
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: Db = None) -> None:
+    """Create the database, or migrate it to the current schema."""
+    from rangeprof.service.db import database_url
+    from rangeprof.service.migrate import upgrade
+
+    url = database_url(db)
+    try:
+        revision = upgrade(url)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _err.print(f"database at revision {revision}", highlight=False)
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Argument(help="Who or what the token is for.")],
+    db: Db = None,
+    expires_days: Annotated[
+        float | None, typer.Option(help="Valid this many days (default: until revoked).")
+    ] = None,
+) -> None:
+    """Create an API token and print it; it is shown only this once (only its hash is kept)."""
+    from datetime import timedelta
+
+    from rangeprof.service.auth import create_token
+
+    expires = None if expires_days is None else timedelta(days=expires_days)
+    typer.echo(_with_database(db, lambda database: create_token(database, name, expires)))
+
+
+@token_app.command("list")
+def token_list(db: Db = None) -> None:
+    """The tokens: name, created, expires, state (valid, expired, revoked)."""
+    from rangeprof.service.auth import list_tokens
+
+    tokens = _with_database(db, list_tokens)
+    table = Table(title="API tokens")
+    for column in ("name", "created", "expires", "state"):
+        table.add_column(column)
+    for t in tokens:
+        expires = "never" if t["expires_at"] is None else f"{t['expires_at']:%Y-%m-%d %H:%M}"
+        table.add_row(t["name"], f"{t['created_at']:%Y-%m-%d %H:%M}", expires, t["state"])
+    _out.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="The token's name.")], db: Db = None
+) -> None:
+    """Revoke a token now: the API refuses it from then on (401)."""
+    from rangeprof.service.auth import revoke_token
+
+    _with_database(db, lambda database: revoke_token(database, name))
+    _err.print(f"token {name!r} revoked", highlight=False)
+
+
+@app.command()
+def cancel(
+    kind: Annotated[str, typer.Argument(help="run | evaluation | build")],
+    job_id: Annotated[int, typer.Argument(metavar="ID", help="Its id.")],
+    db: Db = None,
+) -> None:
+    """Cancel a queued or running job of the service: it ends cancelled, its process stopped."""
+    from rangeprof.service.jobs import cancel_job
+
+    _with_database(db, lambda database: cancel_job(database, kind, job_id))
+    _err.print(f"{kind} {job_id} cancelled", highlight=False)
+
+
+def _with_database(db: str | None, work):
+    """``work(database)`` on the migrated database; its errors are one line, exit 2."""
+    from rangeprof.service.migrate import open_database
+
+    try:
+        database = open_database(db)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    try:
+        return work(database)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    finally:
+        database.dispose()
