@@ -109,35 +109,26 @@ def _profile(job: Job, answer: Callable[..., None]) -> dict:
 
 
 def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
-    """``rangeprof evaluate --profile P --method M --json`` for one method."""
-    import numpy as np
-
-    from rangeprof.byoc.evaluate import evaluate
-    from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+    """``rangeprof evaluate --profile P --method M --json``, the same workflow."""
+    from rangeprof.workflows import quantize
+    from rangeprof.workflows.requests import EvaluateRequest
 
     options = job.options
-    profile = json.loads(Path(options["profile"]).read_text())
-    plugin = get_plugin(options["target"], options["weight_bits"])
-    qparams = qparams_from_profile(profile, plugin, options["method"], options["percentile"])
-    labels = None
-    if options["labels"]:  # checked when the evaluation was queued
-        path, key = options["labels"].split(":", 1)
-        with np.load(path, allow_pickle=False) as arrays:
-            labels = arrays[key]
-    result = evaluate(
-        quantize_model(job.model_file, qparams, plugin, _shapes(job)),
-        job.data,
-        labels,
-        options["samples"],
-        progress=lambda phase, done, total: answer(progress=[done, total], phase=phase),
+    request = EvaluateRequest(
+        model=Path(job.model_file),
+        data=job.data,
+        labels=options["labels"],
+        target=options["target"],
+        profile=Path(options["profile"]),
+        method=options["method"],
+        percentile=options["percentile"],
+        input_shapes=_shapes(job),
+        samples=options["samples"],
+        weight_bits=options["weight_bits"],
     )
-    return {
-        "method": qparams["options"]["method"],
-        "target": plugin.name,
-        "weight_bits": plugin.policy.weight_bits,
-        **result.to_json(),
-    }
+    return quantize.evaluate(
+        request, lambda phase, done, total: answer(progress=[done, total], phase=phase)
+    )
 
 
 def _build(job: Job, answer: Callable[..., None]) -> dict:
@@ -146,33 +137,40 @@ def _build(job: Job, answer: Callable[..., None]) -> dict:
     import time
     import zipfile
 
-    from rangeprof.byoc.artifact import LIBRARY, MANIFEST, build_artifact
-    from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+    from rangeprof.byoc.artifact import LIBRARY, MANIFEST
+    from rangeprof.workflows import quantize
+    from rangeprof.workflows.requests import BuildRequest
 
     options = job.options
-    plugin = get_plugin(options["target"], options["weight_bits"])
+    qparams = options.get("qparams")
+    request = BuildRequest(
+        model=Path(job.model_file),
+        out=Path("artifact"),
+        target=options["target"],
+        qparams=Path(qparams) if qparams else None,
+        profile=None if qparams else Path(options["profile"]),
+        method=options.get("method") or "max",
+        percentile=options.get("percentile") or 99.99,
+        input_shapes=_shapes(job),
+        weight_bits=options["weight_bits"],
+    )
     start = time.perf_counter()
-    answer(progress=[0, 3], phase="quantizing")
-    if options.get("qparams"):
-        qparams = json.loads(Path(options["qparams"]).read_text())
-    else:
-        profile = json.loads(Path(options["profile"]).read_text())
-        qparams = qparams_from_profile(profile, plugin, options["method"], options["percentile"])
-    qm = quantize_model(job.model_file, qparams, plugin, _shapes(job))
-    quantized = time.perf_counter()
-    answer(progress=[1, 3], phase="compiling")
-    out = Path("artifact")
-    manifest = build_artifact(qm, out)
-    answer(progress=[2, 3], phase="packing")
+    phases = {"quantizing": start}
+
+    def report(phase: str, done: int, total: int) -> None:
+        phases.setdefault(phase, time.perf_counter())
+        answer(progress=[done, total], phase=phase)
+
+    manifest = quantize.build(request, report)
+    report("packing", 2, 3)
     with zipfile.ZipFile(ARTIFACT, "w", zipfile.ZIP_DEFLATED) as archive:
         for name in (LIBRARY, MANIFEST):
-            archive.write(out / name, name)
+            archive.write(request.out / name, name)
     return {
         "manifest": manifest,
         "sha256": hashlib.sha256(Path(ARTIFACT).read_bytes()).hexdigest(),
         "timings": {
-            "quantize_s": round(quantized - start, 3),
+            "quantize_s": round(phases["compiling"] - start, 3),
             **manifest["timings"],
             "total_s": round(time.perf_counter() - start, 3),
         },

@@ -1,7 +1,31 @@
-"""rangeprof: tensor-range profiling with IR tracking for INT8 quantization on Apache TVM."""
+"""rangeprof: tensor-range profiling with IR tracking for INT8 quantization on Apache TVM.
+
+The Python API (:mod:`rangeprof.facade`)::
+
+    import rangeprof
+
+    model = rangeprof.load("model.onnx")
+    profile = rangeprof.profile(model, {"input": calibration_array})
+    qparams = profile.calibrate(method="entropy")
+    int8 = rangeprof.build(model, profile, target="x86")
+
+Its names are imported on first use, so that ``import rangeprof`` (and the CLI) start fast.
+The pipeline is :mod:`rangeprof.profiler`, the INT8 targets :mod:`rangeprof.byoc`, the jobs
+:mod:`rangeprof.workflows`, the REST service :mod:`rangeprof.service`.
+"""
 
 import os
 
 # On x86 TVM halves the core count for hyper-threading unless told, which leaves one worker on a
 # 2-core machine; its pool reads this once, when a thread first runs a parallel kernel.
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+
+__all__ = ["Int8Model", "Model", "Profile", "QParams", "TensorProfile", "build", "load", "profile"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from rangeprof import facade
+
+        return getattr(facade, name)
+    raise AttributeError(f"module 'rangeprof' has no attribute {name!r}")

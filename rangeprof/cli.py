@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
-from dataclasses import replace
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-_err = Console(stderr=True)
+_err = Console(stderr=True, soft_wrap=True)  # a long path is not wrapped in a log
 _out = Console()
 
 InputShapes = Annotated[
@@ -33,12 +33,6 @@ InputShapes = Annotated[
         help="Static shape of an input, NAME=DIMS (e.g. x=1x3x48x192); repeatable.",
     ),
 ]
-
-
-def _no_bars() -> bool:
-    """Progress bars only on a terminal: in a log or a pipe they are noise, and rich ends a
-    transient bar there with an empty line, ahead of a one-line error."""
-    return not _err.is_terminal
 
 
 def _fail(err: RangeprofError) -> typer.Exit:
@@ -66,9 +60,40 @@ def _shapes(values: list[str] | None) -> dict[str, tuple[int, ...]]:
     return dict(parse_input_shape(v) for v in values or [])
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        print(f"rangeprof {metadata.version('rangeprof')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
     """rangeprof: profile FP32 tensor ranges by profileID, then quantize from the profile."""
+
+
+def _needs_service() -> None:
+    """The service's commands need the ``service`` extra: without it, one line, exit 2."""
+    try:
+        import alembic  # noqa: F401
+        import fastapi  # noqa: F401
+        import sqlalchemy  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise _fail(
+            RangeprofError(
+                f"this command needs rangeprof's service extra ({err.name} is not installed): "
+                "pip install 'rangeprof[service]'"
+            )
+        ) from None
 
 
 @app.command()
@@ -168,12 +193,9 @@ def profile(
     ] = None,
 ) -> None:
     """Run calibration data through the instrumented FP32 model and write the profile."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
     from rangeprof.profiler.profiling.data import parse_preprocess
     from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
-    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     try:
         _check_out(out)
         if bins < 0:
@@ -196,19 +218,14 @@ def profile(
             )
         elif workers is not None or shards is not None:
             raise RangeprofError("--workers and --shards apply to profiling on Ray: add --ray")
-        with Progress(*columns, console=_err, transient=True, disable=_no_bars()) as bar:
-            task = bar.add_task("compiling", total=None)
-
-            def advance(done: int, total: int) -> None:
-                bar.update(task, description="profiling", completed=done, total=total)
-
+        with _progress() as advance:
             doc = execute(
                 model,
                 data,
                 input_shapes=_shapes(input_shape),
                 options=options,
                 preprocess=spec,
-                progress=advance,
+                progress=lambda done, total: advance("profiling", done, total),
             )
     except RangeprofError as err:
         raise _fail(err) from None
@@ -316,6 +333,43 @@ def export(
     _err.print(f"{fmt} export -> {out}", highlight=False)
 
 
+@app.command()
+def report(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
+    out: Annotated[Path, typer.Option(help="Where to write the HTML file.")],
+    evaluation: Annotated[
+        Path | None,
+        typer.Option(help="The JSON of `rangeprof evaluate --json` on this profile."),
+    ] = None,
+) -> None:
+    """One static HTML file, openable offline: the per-layer table, histograms with each
+    calibration method's clipping range, and the per-layer error of an evaluation."""
+    from rangeprof.profiler.export.report import render_report
+    from rangeprof.profiler.profiling.document import load_profile
+
+    try:
+        _check_out(out)
+        doc = load_profile(profile_path)
+        measured = None if evaluation is None else _evaluation_report(evaluation)
+        html = render_report(doc, measured)
+    except RangeprofError as err:
+        raise _fail(err) from None
+    _write(out, html)
+    _err.print(f"report of {len(doc['tensors'])} tensors -> {out}", highlight=False)
+
+
+def _evaluation_report(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as err:
+        raise RangeprofError(f"{path}: {err.strerror}") from None
+    except ValueError as err:
+        raise RangeprofError(f"{path}: not JSON ({err})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), list):
+        raise RangeprofError(f"{path}: not the JSON of `rangeprof evaluate --json`")
+    return doc
+
+
 # INT8 builds and their evaluation (`rangeprof.byoc`).
 
 Target = Annotated[str, typer.Option(help="x86 | aarch64 | npu")]
@@ -348,53 +402,6 @@ WeightBits = Annotated[
 ]
 
 
-def _labels(spec: str | None):
-    import numpy as np
-
-    if spec is None:
-        return None
-    path, _, key = spec.partition(":")
-    try:
-        with np.load(path, allow_pickle=False) as arrays:
-            key = key or next(iter(arrays.files))
-            if key not in arrays.files:
-                raise RangeprofError(f"{path}: no array {key!r} (has {', '.join(arrays.files)})")
-            labels = arrays[key]
-    except (OSError, ValueError) as err:
-        raise RangeprofError(f"{path}: cannot read labels ({err})") from None
-    if labels.ndim != 1 or labels.dtype.kind not in "iu":
-        raise RangeprofError(f"{spec}: labels must be a 1-D integer array")
-    return labels
-
-
-def _load_profile(profile: Path | None) -> dict | None:
-    from rangeprof.profiler.profiling.document import load_profile
-
-    return None if profile is None else load_profile(profile)
-
-
-def _qparams_doc(qparams: Path | None, profile: dict | None, plugin, method: str, pct: float):
-    """The QPARAMS document: read from ``--qparams``, or derived from a loaded profile."""
-    import jsonschema
-
-    from rangeprof.byoc.quantized import qparams_from_profile
-    from rangeprof.profiler.calibrate.methods import schema
-
-    if (qparams is None) == (profile is None):
-        raise RangeprofError("give exactly one of --qparams and --profile")
-    if profile is not None:
-        return qparams_from_profile(profile, plugin, method, pct)
-    try:
-        doc = json.loads(qparams.read_text())
-        jsonschema.validate(doc, schema())
-    except OSError as err:
-        raise RangeprofError(f"{qparams}: {err.strerror}") from None
-    except (ValueError, jsonschema.ValidationError) as err:
-        detail = getattr(err, "message", str(err)).splitlines()[0]
-        raise RangeprofError(f"{qparams}: not a QPARAMS document ({detail})") from None
-    return doc
-
-
 @app.command()
 def build(
     model: Annotated[Path, typer.Argument(help="ONNX model file.")],
@@ -413,31 +420,28 @@ def build(
     weight_bits: WeightBits = 8,
 ) -> None:
     """Compile the model with INT8 regions for a target into a deployable artifact."""
-    from rangeprof.byoc.artifact import build_artifact
-    from rangeprof.byoc.evaluate import fit_budget
-    from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.byoc.quantized import quantize_model
+    from rangeprof.workflows import quantize
 
     try:
-        plugin = get_plugin(target, weight_bits)
-        if accuracy_budget is not None and data is None:
-            raise RangeprofError("--accuracy-budget needs --data to measure the drop")
-        doc = _qparams_doc(qparams, _load_profile(profile), plugin, method, percentile)
-        shapes = _shapes(input_shape)
-        qm = quantize_model(model, doc, plugin, shapes, fp32_fallback)
-        kept: frozenset[str] = frozenset()
-        if accuracy_budget is not None:
-            # Targets with the same policy compute the same integers: measure where code runs.
-            host = plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
-            measured = (
-                qm if host is plugin else quantize_model(model, doc, host, shapes, fp32_fallback)
-            )
-            with _progress() as advance:
-                result = fit_budget(
-                    measured, data, accuracy_budget, _labels(labels), samples, advance
-                )
-            kept = frozenset(result.kept_fp32)
-        manifest = build_artifact(qm, out, kept)
+        request = _request(
+            "BuildRequest",
+            model=model,
+            out=out,
+            target=target,
+            qparams=qparams,
+            profile=profile,
+            method=method,
+            percentile=percentile,
+            input_shapes=_shapes(input_shape),
+            fp32_fallback=fp32_fallback,
+            accuracy_budget=accuracy_budget,
+            data=data,
+            labels=labels,
+            samples=samples,
+            weight_bits=weight_bits,
+        )
+        with _progress() as advance:
+            manifest = quantize.build(request, advance)
     except RangeprofError as err:
         raise _fail(err) from None
     int8 = sum(r["mode"] == "int8" for r in manifest["regions"])
@@ -449,29 +453,52 @@ def build(
     )
 
 
+def _request(kind: str, **fields):
+    """A workflow request; a value it refuses is one line naming the option."""
+    from pydantic import ValidationError
+
+    from rangeprof.workflows import requests
+
+    try:
+        return getattr(requests, kind)(**fields)
+    except ValidationError as err:
+        first = err.errors()[0]
+        option = "--" + "-".join(str(part) for part in first["loc"]).replace("_", "-")
+        raise RangeprofError(f"{option}: {first['msg']}") from None
+
+
+_PLAIN_EVERY_S = 5.0  # at most one progress line this often in a pipe or a log
+_PLAIN_AFTER_S = 2.0  # and none before
+
+
+@contextmanager
 def _progress():
-    from contextlib import contextmanager
+    """``advance(what, done, total)`` for a job's progress on stderr: a bar on a terminal; in
+    a pipe or a log, after the first seconds, a plain line when the phase changes, when it
+    ends, and every few seconds."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress
-
-    @contextmanager
-    def bar():
-        with Progress(
-            "{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            console=_err,
-            transient=True,
-            disable=_no_bars(),
-        ) as progress:
+    if _err.is_terminal:
+        columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=_err, transient=True) as progress:
             task = progress.add_task("compiling", total=None)
 
-            def advance(what: str, done: int, total: int) -> None:
+            def advance(what: str, done: int, total: int | None) -> None:
                 progress.update(task, description=what, completed=done, total=total)
 
             yield advance
+        return
+    start, last = time.monotonic(), {"what": None, "at": float("-inf")}
 
-    return bar()
+    def advance(what: str, done: int, total: int | None) -> None:
+        now = time.monotonic()
+        if now - start < _PLAIN_AFTER_S:
+            return  # a quick command, or one failing at once, prints its result or error alone
+        if what != last["what"] or done == total or now - last["at"] >= _PLAIN_EVERY_S:
+            _err.print(f"{what}: {done}/{'?' if total is None else total}", highlight=False)
+            last.update(what=what, at=now)
+
+    yield advance
 
 
 def _evaluation_table(doc: dict) -> Table:
@@ -514,57 +541,30 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """FP32 vs INT8: top-1, agreement, output SQNR and per-layer error by profileID."""
-    from rangeprof.byoc.evaluate import evaluate as run_evaluation
-    from rangeprof.byoc.evaluate import fit_budget
-    from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.byoc.quantized import quantize_model
-    from rangeprof.profiler.calibrate.methods import METHODS
+    from rangeprof.workflows import quantize
 
     try:
-        if target not in ("x86", "npu"):
-            raise RangeprofError(f"evaluate runs on x86 or npu, not {target!r}")
-        plugin = get_plugin(target, weight_bits)
-        methods = list(METHODS) if method == "all" else [method]
-        if method == "all" and profile is None:
-            raise RangeprofError("--method all needs --profile")
-        truth = _labels(labels)
-        results = []
-        loaded, qm = _load_profile(profile), None
-        compiled: dict = {}  # the FP32 program serves every method
-        for name in methods:
-            doc = _qparams_doc(qparams, loaded, plugin, name, percentile)
-            if qm is None:
-                qm = quantize_model(model, doc, plugin, _shapes(input_shape), fp32_fallback)
-            else:
-                qm = qm.replanned(doc, fp32_fallback)
-            with _progress() as advance:
-                if accuracy_budget is None:
-                    result = run_evaluation(
-                        qm, data, truth, samples, progress=advance, compiled=compiled
-                    )
-                else:
-                    result = fit_budget(
-                        qm, data, accuracy_budget, truth, samples, advance, compiled
-                    )
-            results.append((doc["options"]["method"], result.to_json()))
+        request = _request(
+            "EvaluateRequest",
+            model=model,
+            data=data,
+            labels=labels,
+            target=target,
+            qparams=qparams,
+            profile=profile,
+            method=method,
+            percentile=percentile,
+            input_shapes=_shapes(input_shape),
+            fp32_fallback=fp32_fallback,
+            accuracy_budget=accuracy_budget,
+            samples=samples,
+            weight_bits=weight_bits,
+        )
+        with _progress() as advance:
+            report = quantize.evaluate(request, advance)
     except RangeprofError as err:
         raise _fail(err) from None
-
-    def rank(item):
-        _, doc = item
-        return (doc.get("int8_top1", doc["agreement"]), doc["output_sqnr_db"] or math.inf)
-
-    best_method, best = max(results, key=rank)
-    report = {"method": best_method, "target": target, "weight_bits": weight_bits, **best}
-    report["methods"] = [
-        {
-            "method": name,
-            "output_sqnr_db": doc["output_sqnr_db"],
-            "agreement": doc["agreement"],
-            **({"int8_top1": doc["int8_top1"]} if "int8_top1" in doc else {}),
-        }
-        for name, doc in results
-    ]
+    best_method = report["method"]
     if as_json:
         print(json.dumps(report, indent=1))
         return
@@ -578,7 +578,7 @@ def evaluate(
         f"agreement {report['agreement']:.2f}%, output SQNR {report['output_sqnr_db']} dB",
         highlight=False,
     )
-    if len(results) > 1:
+    if len(report["methods"]) > 1:
         for row in report["methods"]:
             _out.print(
                 f"  {row['method']:<10} SQNR {row['output_sqnr_db']} dB, agreement "
@@ -636,6 +636,7 @@ def serve(
     ] = 8,
 ) -> None:
     """Run the REST API, with a worker for its runs unless --jobs 0."""
+    _needs_service()
     import logging
     import socket
 
@@ -674,6 +675,7 @@ def worker(
     ] = None,
 ) -> None:
     """Execute queued runs (beside a server started with --jobs 0), until SIGINT or SIGTERM."""
+    _needs_service()
     import logging
 
     from rangeprof.service.jobs import run_worker
@@ -688,6 +690,7 @@ def worker(
 @db_app.command("upgrade")
 def db_upgrade(db: Db = None) -> None:
     """Create the database, or migrate it to the current schema."""
+    _needs_service()
     from rangeprof.service.db import database_url
     from rangeprof.service.migrate import upgrade
 
@@ -708,6 +711,7 @@ def token_create(
     ] = None,
 ) -> None:
     """Create an API token and print it; it is shown only this once (only its hash is kept)."""
+    _needs_service()
     from datetime import timedelta
 
     from rangeprof.service.auth import create_token
@@ -719,6 +723,7 @@ def token_create(
 @token_app.command("list")
 def token_list(db: Db = None) -> None:
     """The tokens: name, created, expires, state (valid, expired, revoked)."""
+    _needs_service()
     from rangeprof.service.auth import list_tokens
 
     tokens = _with_database(db, list_tokens)
@@ -736,6 +741,7 @@ def token_revoke(
     name: Annotated[str, typer.Argument(help="The token's name.")], db: Db = None
 ) -> None:
     """Revoke a token now: the API refuses it from then on (401)."""
+    _needs_service()
     from rangeprof.service.auth import revoke_token
 
     _with_database(db, lambda database: revoke_token(database, name))
@@ -749,6 +755,7 @@ def cancel(
     db: Db = None,
 ) -> None:
     """Cancel a queued or running job of the service: it ends cancelled, its process stopped."""
+    _needs_service()
     from rangeprof.service.jobs import cancel_job
 
     _with_database(db, lambda database: cancel_job(database, kind, job_id))

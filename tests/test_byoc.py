@@ -504,12 +504,18 @@ def test_cli_build_errors_are_one_line_exit_2(tmp_path):
     runner = CliRunner()
     out = str(tmp_path / "art")
     cases = [
-        (["--target", "riscv", "--qparams", str(tmp_path / "other.json")], "unknown target"),
+        (
+            ["--target", "riscv", "--qparams", str(tmp_path / "other.json")],
+            "--target: Input should be 'x86', 'aarch64' or 'npu'",
+        ),
         ([], "exactly one of --qparams and --profile"),
         (["--qparams", str(tmp_path / "bad.json")], "not a QPARAMS document"),
         (["--qparams", str(tmp_path / "other.json")], "qparams are for model"),
         (["--qparams", str(tmp_path / "nope.json")], "No such file"),
-        (["--weight-bits", "9", "--qparams", str(tmp_path / "other.json")], "must be 7 or 8"),
+        (
+            ["--weight-bits", "9", "--qparams", str(tmp_path / "other.json")],
+            "--weight-bits: Input should be 7 or 8",
+        ),
     ]
     for args, message in cases:
         result = runner.invoke(app, ["build", str(path), "--out", out, *args])

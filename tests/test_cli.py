@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -164,3 +165,31 @@ def test_calibrate_and_export_commands(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"schema_version": "0.1"}')
     _fails_cleanly(["calibrate", str(broken), "--out", str(out)], "schema_version")
+    # Histogram counts are checked too (in numpy, not item by item in the schema).
+    k = next(k for k, t in enumerate(doc["tensors"]) if t["histogram"])
+    for bad in (-1, 1.5, True):
+        tampered = json.loads(json.dumps(doc))
+        tampered["tensors"][k]["histogram"]["counts"][0] = bad
+        broken.write_text(json.dumps(tampered))
+        _fails_cleanly(
+            ["calibrate", str(broken), "--out", str(out)],
+            f"invalid profile at tensors/{k}/histogram/counts",
+        )
+
+
+def test_progress_is_plain_lines_when_piped(tmp_path):
+    """In a pipe there is no bar, but no silence either: once the first seconds are past
+    (compiling, the build cache off), plain progress lines, the last one the run's end."""
+    model = mb.save(mb.conv_bias(), tmp_path)
+    out = tmp_path / "p.json"
+    command = [sys.executable, "-m", "rangeprof", "profile", str(model), "--data", "random"]
+    result = subprocess.run(
+        [*command, "--samples", "4096", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RANGEPROF_CACHE": "off"},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "profiling: 4096/4096" in lines, lines
+    assert lines[-1].startswith("profiled ") and not any("\x1b" in line for line in lines)

@@ -1,8 +1,9 @@
 """The web dashboard (``/dashboard``) in headless Chromium, driven by Playwright, against a real
 server (uvicorn on a loopback port, SQLite, the in-process worker) holding a real profile of
 digits_cnn and a real evaluation: log in, open every page, click layer -> histogram -> lineage,
-toggle the log scale, and compare what is drawn with what the API returns. Screenshots are
-written to ``test-results/dashboard/``.
+toggle the log scale, build an INT8 artifact from the run page and download it, cancel a queued
+build, check that suggested scales default to the x86 policy, and compare what is drawn with what
+the API returns. Screenshots are written to ``test-results/dashboard/``.
 
 Also the API the dashboard reads (the paged layer table, evaluations), on SQLite and PostgreSQL,
 with a synthetic 1000-layer model written straight to the database.

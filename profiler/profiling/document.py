@@ -9,16 +9,21 @@ data in any sharding gives the same bytes (:func:`tensors_bytes`)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import jsonschema
+import numpy as np
 
 from rangeprof.profiler.errors import RangeprofError
-from rangeprof.profiler.ir.onnx_load import ModelFacts
-from rangeprof.profiler.ir.tagging import LayerRecord
 from rangeprof.profiler.profiling.statistics import TensorStats
+
+if TYPE_CHECKING:  # the IR's modules import TVM: reading a profile needs neither
+    from rangeprof.profiler.ir.onnx_load import ModelFacts
+    from rangeprof.profiler.ir.tagging import LayerRecord
 
 SCHEMA_VERSION = "1.0"
 
@@ -84,16 +89,37 @@ def _listed(arrays: dict) -> dict:
     return {k: v.tolist() for k, v in arrays.items()}
 
 
+@functools.cache
+def _validator():
+    """The schema's validator, less the per-item check of histogram counts (:func:`validate`
+    checks those arrays in numpy: item by item in Python they cost a second a small profile)."""
+    import jsonschema
+
+    fast = copy.deepcopy(schema())
+    del fast["$defs"]["tensor"]["properties"]["histogram"]["oneOf"][1]["properties"]["counts"][
+        "items"
+    ]
+    return jsonschema.validators.validator_for(fast)(fast)
+
+
 def validate(doc: dict, source: str = "profile") -> dict:
     """``doc`` if it is a profile of this schema version, else a :class:`ProfileError`."""
+    import jsonschema
+
     version = doc.get("schema_version") if isinstance(doc, dict) else None
     if version != SCHEMA_VERSION:
         raise ProfileError(f"{source}: schema_version {version!r}, expected {SCHEMA_VERSION!r}")
-    try:
-        jsonschema.validate(doc, schema())
-    except jsonschema.ValidationError as err:
-        where = "/".join(str(p) for p in err.absolute_path) or "top level"
-        raise ProfileError(f"{source}: invalid profile at {where}: {err.message}") from None
+    error = jsonschema.exceptions.best_match(_validator().iter_errors(doc))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "top level"
+        raise ProfileError(f"{source}: invalid profile at {where}: {error.message}")
+    for k, entry in enumerate(doc["tensors"]):
+        counts = (entry.get("histogram") or {}).get("counts", [])
+        # bool is a subclass of int, and numpy makes bools of JSON true / false.
+        array = np.asarray(counts) if all(type(c) is int for c in counts) else None
+        if array is None or (array.size and array.min() < 0):
+            where = f"tensors/{k}/histogram/counts"
+            raise ProfileError(f"{source}: invalid profile at {where}: not counts (integers >= 0)")
     return doc
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -29,7 +30,9 @@ from rangeprof.profiler.ir.tracking import track
 from rangeprof.profiler.profiling.data import (
     CalibrationData,
     Preprocess,
+    StreamedData,
     model_inputs,
+    open_arrays,
     open_data,
     sample_batch,
 )
@@ -351,14 +354,23 @@ class ModelProfiler:
         )
 
 
+# A profile's ``run.data`` when the data was arrays rather than a ``--data`` spec.
+IN_MEMORY = "arrays"
+Data = str | Mapping[str, np.ndarray] | np.ndarray | Iterable
+
+
 def _open(
-    model: ModelFacts, data: str, options: ProfileOptions, preprocess: Preprocess | None
-) -> CalibrationData:
+    model: ModelFacts, data: Data, options: ProfileOptions, preprocess: Preprocess | None
+) -> CalibrationData | StreamedData:
     constant = frozenset(options.constant_inputs)
+    inputs = model_inputs(model, constant)
+    batch_size = _batch_of(model, constant)
+    if not isinstance(data, str):
+        return open_arrays(data, inputs, batch_size=batch_size, samples=options.samples)
     source = open_data(
         data,
-        model_inputs(model, constant),
-        batch_size=_batch_of(model, constant),
+        inputs,
+        batch_size=batch_size,
         samples=options.samples,
         seed=options.seed,
         preprocess=preprocess,
@@ -384,7 +396,7 @@ def open_calibration(
 
 def profile_model(
     path: str | Path,
-    data: str,
+    data: Data,
     *,
     input_shapes: dict | None = None,
     options: ProfileOptions = ProfileOptions(),
@@ -392,7 +404,9 @@ def profile_model(
     progress: Progress | None = None,
     cache: BuildCache | None = None,
 ) -> dict:
-    """Profiles one ONNX model on calibration data; returns the profile document."""
+    """Profiles one ONNX model on calibration data (a ``--data`` spec, or arrays the caller
+    holds: :func:`~rangeprof.profiler.profiling.data.open_arrays`); returns the profile
+    document."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
 
@@ -407,7 +421,7 @@ def profile_model(
     if builder.bind(source.bound_values()):
         request = builder.request(input_shapes, options.batch_size)
     profiler = ModelProfiler(builder, builder.prepare(request))
-    if source.num_samples % source.batch_size:
+    if source.num_samples and source.num_samples % source.batch_size:
         profiler.ready_for(source.num_samples % source.batch_size)
     mark = lap("prepare_s", start)  # load, import, track stages, compile (or cache hits)
 
@@ -420,8 +434,8 @@ def profile_model(
     return profiler.document(
         stats,
         samples=done,
-        batches=source.num_batches,
-        data=data,
+        batches=math.ceil(done / source.batch_size),
+        data=data if isinstance(data, str) else IN_MEMORY,
         options=options,
         timings=timings,
     )

@@ -72,11 +72,10 @@ function describeCalibration() {
   const policy =
     activations === calibrationName(X86_POLICY.activations) && weights === calibrationName(X86_POLICY.weights);
   document.getElementById("calibration-note").textContent =
-    `Suggested scales for activations ${activations}, weights ${weights}: ` +
+    `Scales for activations ${activations}, weights ${weights}: ` +
     (policy
-      ? "the x86 policy (asymmetric uint8 activations, symmetric int8 weights; a build scales " +
-        "weights per output channel, per tensor here)."
-      : "not the x86 policy (asym uint8 activations, sym int8 weights).");
+      ? "the x86 policy (asymmetric uint8; a build scales weights per channel, per tensor here)."
+      : "not the x86 policy (activations asym uint8, weights sym int8).");
 }
 
 // The page of layers. The API applies one scheme and dtype to every row: with weights kept
@@ -138,7 +137,7 @@ function drawLayers(page, weightScales, apart) {
       el("td", { class: "num" }, row.position),
       el("td", { class: "mono" }, el("a", { href }, row.profile_id)),
       el("td", {}, row.kind),
-      el("td", { class: "mono" }, calibrationName(calibration)),
+      el("td", { class: "mono nowrap" }, calibrationName(calibration)),
       el("td", { class: "mono" }, row.op),
       el("td", { class: "mono" }, row.source_node ?? "–"),
       el("td", { class: "mono" }, row.shape ? row.shape.join("×") : "–"),

@@ -130,7 +130,7 @@ function buildRow(build) {
       "td",
       {},
       build.status === "done"
-        ? el("button", { type: "button", class: "artifact", title: `sha256 ${build.artifact_sha256}`, onclick: save }, "zip")
+        ? el("button", { type: "button", class: "artifact", title: `sha256 ${build.artifact_sha256}`, onclick: save }, "download zip")
         : "",
     ),
     el("td", { class: "muted" }, build.error ?? ""),

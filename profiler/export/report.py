@@ -1,0 +1,546 @@
+"""A profile (and optionally an evaluation) as one self-contained, static HTML page.
+
+``rangeprof report PROFILE.json [--evaluation E.json] --out report.html`` writes what
+:func:`render_report` returns: a header with the model and run, a per-layer table of ranges and
+of the int8 symmetric scale each calibration method (:mod:`rangeprof.profiler.calibrate.methods`)
+suggests, an inline SVG histogram per tensor that has one with each method's clip range drawn on
+it, and, given the JSON of ``rangeprof evaluate --json``, the per-layer quantization error.
+
+The page is **self-contained**: inline CSS and inline SVG only, no script, no server, no
+network, no fonts or stylesheets from a CDN. A report is an artifact to attach to a ticket, mail,
+or archive next to a model, and it must open the same way offline, on an air-gapped machine, or
+years later. For the same reason the output is deterministic: the same documents give the same
+bytes (no timestamps, fixed number formatting, tensors in profile order), so reports can be diffed
+and cached.
+
+All text from the documents (profileIDs hold ``/``, ``#``, ``:``; node names may hold ``<``) is
+HTML-escaped. Histograms are downsampled to at most :data:`MAX_BARS` bars (adjacent bins summed)
+so a report of a large model stays small; bar heights are ``log10(count + 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from html import escape
+
+import numpy as np
+
+from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, qparams_for
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.profiling.statistics import TensorStats
+
+__all__ = ["render_report"]
+
+MAX_BARS = 200
+PERCENTILE = 99.99
+DASH = "\u2014"  # shown where a value is missing or a method does not apply
+
+# One colour and dash pattern per method, so that coinciding clip lines stay distinguishable.
+_STYLE = {
+    "max": ("#d62728", ""),
+    "percentile": ("#1f77b4", "6 3"),
+    "entropy": ("#2ca02c", "2 2"),
+    "mse": ("#9467bd", "8 3 2 3"),
+}
+_LABEL = {
+    "max": "max",
+    "percentile": f"percentile {PERCENTILE:g}",
+    "entropy": "entropy",
+    "mse": "mse",
+}
+
+# SVG geometry (user units).
+_W, _H = 860, 200
+_PLOT_X0, _PLOT_X1 = 56, 610
+_PLOT_Y0, _PLOT_Y1 = 12, 160  # top, baseline
+_LEGEND_X = 626
+
+_CSS = """
+body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:1.5em;color:#222}
+h1{font-size:1.5em;margin:0 0 .3em}h2{font-size:1.2em;margin:1.6em 0 .5em}
+dl.meta{display:grid;grid-template-columns:max-content auto;gap:.1em 1em;margin:.5em 0}
+dl.meta dt{color:#555}dl.meta dd{margin:0;font-family:ui-monospace,monospace}
+.scroll{overflow-x:auto;max-width:100%}
+table{border-collapse:collapse;font-size:12.5px}
+th,td{border:1px solid #ddd;padding:2px 6px;text-align:right;white-space:nowrap}
+thead th{background:#f3f3f3;position:sticky;top:0}
+td.t,th.t{text-align:left}td.pid{text-align:left;font-family:ui-monospace,monospace}
+td.na{color:#999;text-align:center}td.fb{color:#a60}
+td.bad{background:#fdd}td.warn{background:#fec}td.exact{color:#070}
+tr.weight td{color:#445}
+figure{margin:1em 0;border-top:1px solid #eee;padding-top:.4em}
+figcaption{font-family:ui-monospace,monospace;font-size:12.5px}
+svg{display:block;max-width:100%;height:auto}
+svg text{font:11px ui-monospace,monospace;fill:#333}
+.bars{fill:#9bb7d4;stroke:none}.axis{stroke:#444;stroke-width:1;fill:none}
+.zero{stroke:#aaa;stroke-dasharray:1 3}.clip{stroke-width:1.6;fill:none}
+p.note{color:#555;font-size:12.5px;max-width:75em}
+"""
+
+
+def render_report(profile: dict, evaluation: dict | None = None) -> str:
+    """The HTML report of a profile document, as one self-contained page.
+
+    ``profile`` is a profile document (``rangeprof profile``'s JSON); ``evaluation``, if given,
+    the object ``rangeprof evaluate --json`` prints. Scales are int8 symmetric per-tensor, one
+    per calibration method (percentile at 99.99); a method that does not apply to a tensor (no
+    histogram: profiled with ``--bins 0``) shows an em dash. Deterministic: equal documents give
+    equal strings.
+    """
+    tensors = list(profile.get("tensors") or [])
+    rows = [_Row(i, entry) for i, entry in enumerate(tensors)]
+    errors = _ranked_layers(evaluation) if evaluation is not None else None
+    by_id: dict[str, dict] = {}
+    for layer in errors or ():
+        by_id.setdefault(layer.get("profile_id"), layer)
+
+    model = profile.get("model") or {}
+    title = f"rangeprof report: {model.get('name', '?')}"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        '<meta name="generator" content="rangeprof report">',
+        f"<title>{_e(title)}</title>",
+        f"<style>{_CSS}</style>",
+        "</head>",
+        "<body>",
+        _header(profile, rows),
+    ]
+    if evaluation is not None:
+        rows_by_id = {r.pid: r.index for r in reversed(rows)}  # the first row of a profileID
+        parts.append(_evaluation_section(evaluation, errors, rows_by_id))
+    parts.append(_tensor_table(rows, by_id if evaluation is not None else None))
+    parts.append(_histogram_section(rows))
+    parts += ["</body>", "</html>", ""]
+    return "\n".join(parts)
+
+
+class _Row:
+    """One tensor entry with its statistics and each method's quantization parameters."""
+
+    def __init__(self, index: int, entry: dict):
+        self.index = index
+        self.entry = entry
+        self.pid = str(entry.get("profile_id"))
+        self.stats = TensorStats.from_json(entry)
+        self.qparams: dict[str, dict | None] = {}
+        for method in METHODS:
+            options = CalibrationOptions(
+                method=method, percentile=PERCENTILE, scheme="sym", dtype="int8"
+            )
+            try:
+                self.qparams[method] = qparams_for(entry, options).to_json()
+            except RangeprofError:
+                self.qparams[method] = None
+
+    @property
+    def anchor(self) -> str:
+        return f"hist-{self.index}"
+
+    @property
+    def has_histogram(self) -> bool:
+        h = self.stats.histogram
+        return h is not None and len(h.counts) > 0 and int(h.counts.sum()) > 0
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+
+def _e(value: object) -> str:
+    """HTML-escaped text (quotes too: the same helper serves attribute values)."""
+    return escape(str(value), quote=True)
+
+
+def _num(value: object, digits: int = 6) -> str:
+    if value is None:
+        return DASH
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _db(value: float | None) -> str:
+    return "exact" if value is None else f"{value:.2f}"
+
+
+def _db_class(value: float | None) -> str:
+    if value is None:
+        return "exact"
+    return "bad" if value < 20 else "warn" if value < 30 else ""
+
+
+def _td(text: str, cls: str = "", title: str = "") -> str:
+    attrs = (f' class="{cls}"' if cls else "") + (f' title="{_e(title)}"' if title else "")
+    return f"<td{attrs}>{_e(text)}</td>"
+
+
+def _shape(shape: object) -> str:
+    if shape is None:
+        return DASH
+    if isinstance(shape, list | tuple):
+        return "\u00d7".join(str(d) for d in shape) if shape else "scalar"
+    return str(shape)
+
+
+def _flatten(prefix: str, value: object) -> Iterable[tuple[str, str]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _flatten(f"{prefix}.{key}" if prefix else str(key), item)
+    elif isinstance(value, list | tuple):
+        yield prefix, ", ".join(_num(v) for v in value) if value else DASH
+    else:
+        yield prefix, _num(value)
+
+
+# --- header -----------------------------------------------------------------------------------
+
+
+def _header(profile: dict, rows: list[_Row]) -> str:
+    model = profile.get("model") or {}
+    run = profile.get("run") or {}
+    options = run.get("options") or {}
+    sha = str(model.get("sha256") or "")
+    with_hist = sum(r.has_histogram for r in rows)
+    items = [
+        ("model", str(model.get("name", DASH))),
+        ("sha256", sha[:12] or DASH),
+        ("tensors", f"{len(rows)} ({with_hist} with a histogram)"),
+        ("samples", _num(run.get("samples"))),
+        ("bins", _num(options.get("bins"))),
+        ("TVM", str(run.get("tvm_version") or DASH)),
+    ]
+    if "opset" in model:
+        items.append(("opset", _num(model["opset"])))
+    for name, shape in (model.get("inputs") or {}).items():
+        items.append((f"input {name}", _shape(shape)))
+    skip = {"samples", "tvm_version", "options.bins"}
+    items += [(f"run.{k}", v) for k, v in _flatten("", run) if k not in skip]
+    meta = "".join(
+        f'<dt>{_e(k)}</dt><dd title="{_e(sha)}">{_e(v)}</dd>'
+        if k == "sha256"
+        else f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>"
+        for k, v in items
+    )
+    return (
+        f"<header>\n<h1>{_e(model.get('name', 'profile'))}</h1>\n"
+        '<p class="note">rangeprof tensor-range profile, schema '
+        f"{_e(profile.get('schema_version', '?'))}</p>\n"
+        f'<dl class="meta">{meta}</dl>\n</header>'
+    )
+
+
+# --- per-layer table --------------------------------------------------------------------------
+
+
+def _tensor_table(rows: list[_Row], by_id: dict[str, dict] | None) -> str:
+    head = ["#", "profileID", "kind", "op", "source node", "shape", "dtype"]
+    head += ["min", "max", "mean", "std"]
+    head += [f"scale {_LABEL[m]}" for m in METHODS]
+    if by_id is not None:
+        head += ["isolated dB", "accumulated dB"]
+    left = {"profileID", "kind", "op", "source node", "dtype"}
+    cells = "".join(
+        f'<th class="t">{_e(h)}</th>' if h in left else f"<th>{_e(h)}</th>" for h in head
+    )
+    body = [_tensor_row(r, by_id) for r in rows]
+    return (
+        '<section id="layers">\n<h2>Per-layer ranges and int8 scales</h2>\n'
+        '<p class="note">Scales are int8 symmetric, per tensor (<code>s = \u03b1 / 127</code>), '
+        "as <code>rangeprof calibrate</code> computes them; hover a scale for its clip range. "
+        f"{_e(DASH)}: the method needs a histogram (profiled with <code>--bins 0</code>). "
+        "Orange: the method fell back to another one (hover for why).</p>\n"
+        '<div class="scroll">\n<table id="tensors">\n'
+        f"<thead><tr>{cells}</tr></thead>\n<tbody>\n" + "\n".join(body) + "\n</tbody>\n</table>\n"
+        "</div>\n</section>"
+    )
+
+
+def _tensor_row(row: _Row, by_id: dict[str, dict] | None) -> str:
+    e = row.entry
+    node = e.get("source_node")
+    op = e.get("op") or e.get("source_op")
+    if row.has_histogram:
+        pid = f'<td class="pid"><a href="#{row.anchor}">{_e(row.pid)}</a></td>'
+    else:
+        pid = f'<td class="pid">{_e(row.pid)}</td>'
+    cells = [
+        _td(str(row.index)),
+        pid,
+        _td(str(e.get("kind", DASH)), "t"),
+        _td(str(op) if op else DASH, "t"),
+        _td(str(node) if node else DASH, "t"),
+        _td(_shape(e.get("shape"))),
+        _td(str(e.get("dtype", DASH)), "t"),
+        _td(_num(e.get("min"))),
+        _td(_num(e.get("max"))),
+        _td(_num(e.get("mean"))),
+        _td(_num(e.get("std"))),
+    ]
+    for method in METHODS:
+        q = row.qparams[method]
+        if q is None:
+            cells.append(_td(DASH, "na", f"{method}: needs a histogram"))
+            continue
+        lo, hi = q["range"]
+        title = f"{q['method']}: range [{_num(lo)}, {_num(hi)}], zero point {q['zero_point']}"
+        if q.get("note"):
+            title += f"; {q['note']}"
+        fell_back = q["method"] != method
+        cells.append(_td(_num(q["scale"], 5), "fb" if fell_back else "", title))
+    if by_id is not None:
+        layer = by_id.get(row.pid)
+        if layer is None:
+            cells += [_td(DASH, "na"), _td(DASH, "na")]
+        else:
+            for key in ("isolated_sqnr_db", "accumulated_sqnr_db"):
+                cells.append(_td(_db(layer.get(key)), _db_class(layer.get(key))))
+    cls = ' class="weight"' if e.get("kind") == "weight" else ""
+    return f'<tr id="row-{row.index}"{cls}>' + "".join(cells) + "</tr>"
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+
+def _sqnr_key(value: object) -> float:
+    return math.inf if value is None else float(value)
+
+
+def _ranked_layers(evaluation: dict) -> list[dict]:
+    """Worst isolated SQNR first (``None``: exact, last), then worst accumulated SQNR."""
+    layers = list(evaluation.get("layers") or [])
+    return sorted(
+        layers,
+        key=lambda d: (
+            _sqnr_key(d.get("isolated_sqnr_db")),
+            _sqnr_key(d.get("accumulated_sqnr_db")),
+        ),
+    )
+
+
+def _evaluation_section(evaluation: dict, layers: list[dict], rows: dict[str, int]) -> str:
+    ev = evaluation
+    summary = [
+        f"target {ev.get('target', '?')}",
+        f"method {ev.get('method', '?')}",
+    ]
+    if "weight_bits" in ev:
+        summary.append(f"{ev['weight_bits']}-bit weights")
+    if "samples" in ev:
+        summary.append(f"{ev['samples']} samples")
+    summary.append(f"output SQNR {_db(ev.get('output_sqnr_db'))} dB")
+    if ev.get("agreement") is not None:
+        summary.append(f"agreement {ev['agreement']:.2f}%")
+    if ev.get("fp32_top1") is not None and ev.get("int8_top1") is not None:
+        summary.append(f"top-1 FP32 {ev['fp32_top1']:.2f}% / INT8 {ev['int8_top1']:.2f}%")
+    kept = ev.get("kept_fp32") or []
+    summary.append("kept FP32: " + (", ".join(str(k) for k in kept) if kept else "none"))
+    out = [
+        '<section id="evaluation">\n<h2>FP32 vs INT8 evaluation</h2>',
+        f'<p id="evaluation-summary">{_e("; ".join(summary))}</p>',
+    ]
+    methods = ev.get("methods") or []
+    if len(methods) > 1:
+        rows = "".join(
+            "<tr>"
+            + _td(str(m.get("method")), "t")
+            + _td(_db(m.get("output_sqnr_db")))
+            + _td(_num(m.get("agreement")))
+            + _td(_num(m.get("int8_top1")))
+            + "</tr>"
+            for m in methods
+        )
+        out.append(
+            '<table id="methods"><thead><tr><th class="t">method</th><th>output dB</th>'
+            f"<th>agreement %</th><th>INT8 top-1 %</th></tr></thead><tbody>{rows}</tbody></table>"
+        )
+    body = []
+    for rank, layer in enumerate(layers, start=1):
+        pid = str(layer.get("profile_id"))
+        iso, acc = layer.get("isolated_sqnr_db"), layer.get("accumulated_sqnr_db")
+        if pid in rows:
+            pid_cell = f'<td class="pid"><a href="#row-{rows[pid]}">{_e(pid)}</a></td>'
+        else:
+            pid_cell = f'<td class="pid">{_e(pid)}</td>'
+        body.append(
+            "<tr>"
+            + _td(str(rank))
+            + pid_cell
+            + _td(
+                str(layer.get("pattern", DASH)).split(".", 1)[-1], "t", str(layer.get("region", ""))
+            )
+            + _td(str(layer.get("mode", DASH)), "t")
+            + _td(_db(iso), _db_class(iso))
+            + _td(_db(acc), _db_class(acc))
+            + _td(_num(layer.get("isolated_rmse_per_scale"), 4))
+            + _td(_num(layer.get("accumulated_rmse_per_scale"), 4))
+            + "</tr>"
+        )
+    out.append(
+        '<p class="note">Per layer, worst isolated SQNR first. Isolated: the layer alone in INT8 '
+        "on FP32 inputs; accumulated: with every earlier layer in INT8 too. RMSE in units of the "
+        "output scale. <q>exact</q>: no error.</p>"
+    )
+    out.append(
+        '<div class="scroll">\n<table id="errors">\n<thead><tr><th>rank</th>'
+        '<th class="t">profileID</th><th class="t">pattern</th><th class="t">mode</th>'
+        "<th>isolated dB</th><th>accumulated dB</th><th>isolated rmse/scale</th>"
+        "<th>accumulated rmse/scale</th></tr></thead>\n<tbody>\n"
+        + "\n".join(body)
+        + "\n</tbody>\n</table>\n</div>\n</section>"
+    )
+    return "\n".join(out)
+
+
+# --- histograms -------------------------------------------------------------------------------
+
+
+def _histogram_section(rows: list[_Row]) -> str:
+    drawn = [r for r in rows if r.has_histogram]
+    out = ['<section id="histograms">\n<h2>Histograms</h2>']
+    if not drawn:
+        out.append('<p class="note">No histograms: the profile was made with --bins 0.</p>')
+    else:
+        out.append(
+            '<p class="note">Bar height is log10(count + 1) (a logarithmic count axis that keeps '
+            f"empty bins at zero); at most {MAX_BARS} bars, adjacent bins summed. Vertical "
+            "lines: each method's int8 symmetric clip range, both ends where the tensor has "
+            "negative values.</p>"
+        )
+        out += [_figure(r) for r in drawn]
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def _downsample(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """At most :data:`MAX_BARS` bars: groups of ``k`` adjacent bins summed (the last one may
+    hold fewer)."""
+    n = len(counts)
+    k = max(1, -(-n // MAX_BARS))
+    if k == 1:
+        return counts, edges
+    groups = -(-n // k)
+    padded = np.zeros(groups * k, dtype=np.int64)
+    padded[:n] = counts
+    starts = np.arange(groups) * k
+    return padded.reshape(groups, k).sum(axis=1), np.append(edges[starts], edges[n])
+
+
+def _f(value: float) -> str:
+    """An SVG coordinate: one decimal, no negative zero."""
+    text = f"{value:.1f}"
+    return "0.0" if text == "-0.0" else text
+
+
+def _figure(row: _Row) -> str:
+    hist = row.stats.histogram
+    counts, edges = _downsample(hist.counts, hist.edges())
+    lo_data, hi_data = float(edges[0]), float(edges[-1])
+    signed = row.stats.min is not None and row.stats.min < 0
+
+    # Each method's clip lines: the represented range's upper end, and its lower end if signed.
+    lines: list[tuple[str, float]] = []
+    for method in METHODS:
+        q = row.qparams[method]
+        if q is None:
+            continue
+        lo, hi = (float(v) for v in q["range"])
+        lines.append((method, hi))
+        if signed:
+            lines.append((method, lo))
+    x_lo = min([lo_data, *(v for _, v in lines)])
+    x_hi = max([hi_data, *(v for _, v in lines)])
+    if not x_hi > x_lo:
+        x_lo, x_hi = x_lo - 0.5, x_hi + 0.5
+    # A margin, so that lines at the ends stay clear of the axis.
+    ends = x_lo, x_hi  # labelled
+    pad = (x_hi - x_lo) * 0.02
+    x_lo, x_hi = x_lo - pad, x_hi + pad
+
+    def x(v: float) -> float:
+        return _PLOT_X0 + (v - x_lo) / (x_hi - x_lo) * (_PLOT_X1 - _PLOT_X0)
+
+    heights = np.log10(counts.astype(np.float64) + 1.0)
+    top = float(heights.max()) or 1.0
+
+    def y(h: float) -> float:
+        return _PLOT_Y1 - h / top * (_PLOT_Y1 - _PLOT_Y0)
+
+    # The bars as one filled step outline: small, and one element however many bars.
+    d = [f"M{_f(x(float(edges[0])))} {_f(_PLOT_Y1)}"]
+    for i, h in enumerate(heights.tolist()):
+        d.append(f"V{_f(y(h))}H{_f(x(float(edges[i + 1])))}")
+    d.append(f"V{_f(_PLOT_Y1)}Z")
+
+    svg = [
+        f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
+        f'aria-label="{_e("histogram of " + row.pid)}">',
+        f"<title>{_e(row.pid)}: {len(counts)} bars from {len(hist.counts)} bins</title>",
+        f'<path class="bars" d="{"".join(d)}"/>',
+        f'<path class="axis" d="M{_PLOT_X0} {_PLOT_Y0}V{_PLOT_Y1}H{_PLOT_X1}"/>',
+    ]
+    if x_lo < 0 < x_hi:
+        zx = _f(x(0.0))
+        svg.append(f'<line class="zero" x1="{zx}" y1="{_PLOT_Y0}" x2="{zx}" y2="{_PLOT_Y1}"/>')
+    for method, v in lines:
+        colour, dash = _STYLE[method]
+        vx = _f(x(v))
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        svg.append(
+            f'<line class="clip m-{method}" data-method="{method}" x1="{vx}" y1="{_PLOT_Y0}" '
+            f'x2="{vx}" y2="{_PLOT_Y1}" stroke="{colour}"{dash_attr}/>'
+        )
+    # Axis labels: x at both ends of what is drawn (and 0), y the top's count.
+    ty = _PLOT_Y1 + 14
+    for v, anchor in zip(ends, ("start", "end"), strict=True):
+        svg.append(f'<text x="{_f(x(v))}" y="{ty}" text-anchor="{anchor}">{_e(_num(v, 4))}</text>')
+    if x_lo < 0 < x_hi and min(x(0.0) - _PLOT_X0, _PLOT_X1 - x(0.0)) > 40:
+        svg.append(f'<text x="{_f(x(0.0))}" y="{ty}" text-anchor="middle">0</text>')
+    peak = int(counts.max())
+    svg.append(
+        f'<text x="{_PLOT_X0 - 4}" y="{_PLOT_Y0 + 4}" text-anchor="end">{_e(_num(peak))}</text>'
+    )
+    svg.append(f'<text x="{_PLOT_X0 - 4}" y="{_PLOT_Y1}" text-anchor="end">0</text>')
+    svg.append(
+        f'<text x="{_PLOT_X0}" y="{_H - 4}" text-anchor="start">count axis: log10(count + 1)</text>'
+    )
+    # Legend: colour, method and clip threshold.
+    for i, method in enumerate(METHODS):
+        colour, dash = _STYLE[method]
+        ly = _PLOT_Y0 + 8 + 20 * i
+        q = row.qparams[method]
+        if q is None:
+            label = f"{_LABEL[method]}: {DASH}"
+        else:
+            lo, hi = (float(v) for v in q["range"])
+            label = f"{_LABEL[method]}: \u00b1{_num(max(-lo, hi), 4)}"
+            if q["method"] != method:
+                label += f" ({q['method']})"
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        svg.append(
+            f'<line class="legend m-{method}" x1="{_LEGEND_X}" y1="{ly}" x2="{_LEGEND_X + 24}" '
+            f'y2="{ly}" stroke="{colour}" stroke-width="2"{dash_attr}/>'
+        )
+        svg.append(f'<text x="{_LEGEND_X + 30}" y="{ly + 4}">{_e(label)}</text>')
+    svg.append("</svg>")
+
+    e = row.entry
+    caption = (
+        f"{row.pid} \u00b7 {e.get('kind', '?')} \u00b7 {e.get('op') or e.get('source_op') or '?'}"
+        f" \u00b7 min {_num(row.stats.min)} \u00b7 max {_num(row.stats.max)}"
+    )
+    return (
+        f'<figure id="{row.anchor}">\n<figcaption><a href="#row-{row.index}">{_e(caption)}</a>'
+        "</figcaption>\n" + "\n".join(svg) + "\n</figure>"
+    )

@@ -1,0 +1,251 @@
+"""The Python API: rangeprof from a notebook or a script, on arrays as well as files.
+
+    import numpy as np
+    import rangeprof
+
+    model = rangeprof.load("digits_cnn.onnx")
+    model.inputs                                   # {'image': ((1, 1, 8, 8), 'float32')}
+    calib = np.load("digits.npz")["calib"]         # [N, 1, 8, 8]
+    profile = rangeprof.profile(model, {"image": calib})   # or calib, batches, or a path
+    profile.tensors["/conv1/Conv"].histogram       # a Histogram: counts, edges()
+    qparams = profile.calibrate(method="entropy")  # a QParams, by profileID
+    int8 = rangeprof.build(model, profile, target="x86", method="mse")
+    logits = int8.run({"image": calib[:1]})        # the INT8 program's outputs
+
+Every result is a typed object over the documents the CLI writes (``.document``, ``.to_json()``,
+``.save(path)``), so a notebook and ``rangeprof`` commands exchange files freely.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rangeprof.profiler.profiling.statistics import Histogram, TensorStats
+
+Data = str | Path | np.ndarray | Mapping[str, np.ndarray] | Iterable[Any]
+
+
+@dataclass(frozen=True)
+class Model:
+    """An ONNX model loaded and checked (as ``rangeprof inspect`` loads it)."""
+
+    path: Path
+    input_shapes: dict[str, tuple[int, ...]]
+    inputs: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype), as loaded
+
+    def inspect(self) -> dict:
+        """Its layers with their profileIDs and the lineage through every compiler stage (the
+        document of ``rangeprof inspect --json``)."""
+        from rangeprof.profiler.ir.tracking import track_model
+
+        return track_model(self.path, self.input_shapes).to_json()
+
+
+def load(path: str | Path, input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Model:
+    """Load the ONNX file at ``path``; ``input_shapes`` fixes symbolic input dimensions."""
+    from rangeprof.profiler.ir.onnx_load import load_model
+
+    shapes = {name: tuple(dims) for name, dims in (input_shapes or {}).items()}
+    loaded = load_model(path, shapes)
+    inputs = {
+        name: (tuple(shape), loaded.input_dtypes[name])
+        for name, shape in loaded.input_shapes.items()
+    }
+    return Model(Path(path), shapes, inputs)
+
+
+@dataclass(frozen=True)
+class TensorProfile:
+    """One profiled tensor: its identity and everything recorded about it."""
+
+    profile_id: str
+    kind: str  # input, weight, activation, output
+    op: str
+    source_node: str | None
+    shape: list | None
+    dtype: str
+    stats: TensorStats
+
+    @property
+    def min(self) -> float | None:
+        return self.stats.min
+
+    @property
+    def max(self) -> float | None:
+        return self.stats.max
+
+    @property
+    def histogram(self) -> Histogram | None:
+        """Counts of the finite values in power-of-two-wide bins (``counts``, ``edges()``)."""
+        return self.stats.histogram
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters by profileID (the QPARAMS document of ``rangeprof calibrate``)."""
+
+    document: dict
+
+    def __getitem__(self, profile_id: str) -> dict:
+        for record in self.document["qparams"]:
+            if record["profile_id"] == profile_id:
+                return record
+        raise KeyError(profile_id)
+
+    def to_json(self) -> str:
+        return json.dumps(self.document, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A profile: every tensor's statistics by profileID, with the model's lineage."""
+
+    document: dict
+    tensors: dict[str, TensorProfile] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from rangeprof.profiler.profiling.statistics import TensorStats
+
+        tensors = {
+            entry["profile_id"]: TensorProfile(
+                entry["profile_id"],
+                entry["kind"],
+                entry["op"],
+                entry["source_node"],
+                entry["shape"],
+                entry["dtype"],
+                TensorStats.from_json(entry),
+            )
+            for entry in self.document["tensors"]
+        }
+        object.__setattr__(self, "tensors", tensors)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """A profile JSON file (``rangeprof profile --out``), checked against its schema."""
+        from rangeprof.profiler.profiling.document import load_profile
+
+        return cls(load_profile(path))
+
+    def calibrate(self, method: str = "max", **options: Any) -> QParams:
+        """Qparams from the stored statistics: ``method`` max, percentile, entropy or mse;
+        ``options`` as ``rangeprof calibrate``'s (``percentile``, ``scheme``, ``dtype``,
+        ``granularity``, ``power_of_two``)."""
+        from rangeprof.profiler.calibrate.methods import CalibrationOptions, calibrate
+
+        return QParams(calibrate(self.document, CalibrationOptions(method=method, **options)))
+
+    def to_json(self) -> str:
+        return json.dumps(self.document, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+def profile(
+    model: Model | str | Path,
+    data: Data,
+    *,
+    bins: int = 2048,
+    batch_size: int | None = None,
+    samples: int | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int | None], None] | None = None,
+) -> Profile:
+    """Run ``data`` through the instrumented FP32 model and record every tensor's statistics.
+
+    ``data`` is a ``--data`` spec or path (``FILE.npz[:KEY]``, ``FILE.npy``, an image folder,
+    ``"random"``), a dict of arrays ``{input: [N, *sample_shape]}`` (one array for a
+    single-input model), or an iterable of such dicts or arrays: batches of any size, as a
+    PyTorch ``DataLoader`` yields them (tensors convert through ``numpy()``), read once.
+    ``progress(done, total)`` gets the samples done (``total`` is ``None`` for an iterable of
+    unknown length)."""
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+
+    model = model if isinstance(model, Model) else load(model)
+    options = ProfileOptions(bins=bins, batch_size=batch_size, samples=samples, seed=seed)
+    source = str(data) if isinstance(data, str | Path) else data
+    document = profile_model(
+        model.path,
+        source,
+        input_shapes=model.input_shapes,
+        options=options,
+        progress=progress,
+    )
+    return Profile(document)
+
+
+@dataclass(frozen=True)
+class Int8Model:
+    """A built INT8 program: ``folder`` holds ``model.so`` and ``manifest.json``."""
+
+    folder: Path
+    manifest: dict
+    input_names: tuple[str, ...]
+
+    def run(self, inputs: Mapping[str, np.ndarray] | np.ndarray) -> list[np.ndarray]:
+        """The program's outputs for one batch of ``inputs`` (by name, or the one array)."""
+        import tvm
+        from tvm import relax
+
+        if isinstance(inputs, np.ndarray):
+            inputs = dict(zip(self.input_names, [inputs], strict=True))
+        missing = sorted(set(self.input_names) - set(inputs))
+        if missing:
+            raise KeyError(f"no array for input {', '.join(missing)}")
+        library = tvm.runtime.load_module(str(self.folder / self.manifest["library"]))
+        vm = relax.VirtualMachine(library, tvm.cpu())
+        args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[n])) for n in self.input_names]
+        result = vm["main"](*args)
+        if isinstance(result, tvm.runtime.Tensor):
+            return [result.numpy()]
+        return [item.numpy() for item in result]
+
+
+def build(
+    model: Model | str | Path,
+    ranges: Profile | QParams,
+    *,
+    target: str = "x86",
+    method: str = "max",
+    percentile: float = 99.99,
+    weight_bits: int = 8,
+    fp32_fallback: bool = False,
+    out: str | Path | None = None,
+) -> Int8Model:
+    """Quantize the model with ``ranges`` (a profile, calibrated with the target's policy by
+    ``method``, or qparams) and compile it for ``target`` into ``out`` (default: a new
+    temporary folder)."""
+    from rangeprof.workflows import quantize
+    from rangeprof.workflows.requests import BuildRequest
+
+    model = model if isinstance(model, Model) else load(model)
+    folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="rangeprof-int8-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    document = folder / ("profile.json" if isinstance(ranges, Profile) else "qparams.json")
+    ranges.save(document)
+    request = BuildRequest(
+        model=model.path,
+        out=folder,
+        target=target,
+        profile=document if isinstance(ranges, Profile) else None,
+        qparams=document if isinstance(ranges, QParams) else None,
+        method=method,
+        percentile=percentile,
+        input_shapes=model.input_shapes,
+        fp32_fallback=fp32_fallback,
+        weight_bits=weight_bits,
+    )
+    manifest = quantize.build(request)
+    return Int8Model(folder, manifest, tuple(model.inputs))

@@ -1,0 +1,136 @@
+"""INT8 builds and evaluations, orchestrated once for every front end: qparams from a QPARAMS
+document or from a profile with the target's policy, the model quantized by the target's
+plugin, the accuracy budget fitted (the most sensitive layers kept FP32), then the artifact
+built or the evaluation report assembled. ``progress(phase, done, total)`` reports as it goes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from rangeprof.profiler.errors import RangeprofError
+
+from .requests import BuildRequest, EvaluateRequest, QuantizeRequest
+
+Progress = Callable[[str, int, int], None]
+
+
+def read_labels(spec: str | None):
+    """The 1-D integer labels of ``FILE.npz[:KEY]`` (default: its first array); ``None``."""
+    import numpy as np
+
+    if spec is None:
+        return None
+    path, _, key = spec.partition(":")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            key = key or next(iter(arrays.files))
+            if key not in arrays.files:
+                raise RangeprofError(f"{path}: no array {key!r} (has {', '.join(arrays.files)})")
+            labels = arrays[key]
+    except (OSError, ValueError) as err:
+        raise RangeprofError(f"{path}: cannot read labels ({err})") from None
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise RangeprofError(f"{spec}: labels must be a 1-D integer array")
+    return labels
+
+
+def qparams_document(request: QuantizeRequest, plugin, method: str) -> dict:
+    """The request's QPARAMS document: read and checked, or derived from its profile."""
+    from rangeprof.byoc.quantized import qparams_from_profile
+    from rangeprof.profiler.calibrate.methods import read_qparams
+    from rangeprof.profiler.profiling.document import load_profile
+
+    if request.profile is not None:
+        profile = load_profile(request.profile)
+        return qparams_from_profile(profile, plugin, method, request.percentile)
+    return read_qparams(request.qparams)
+
+
+def _quantized(request: QuantizeRequest, qparams: dict, plugin):
+    from rangeprof.byoc.quantized import quantize_model
+
+    return quantize_model(
+        request.model, qparams, plugin, request.input_shapes, request.fp32_fallback
+    )
+
+
+def build(request: BuildRequest, progress: Progress | None = None) -> dict:
+    """Quantize and compile the model for ``request.target``; write ``model.so`` and
+    ``manifest.json`` into ``request.out``; return the manifest."""
+    from rangeprof.byoc.artifact import build_artifact
+    from rangeprof.byoc.evaluate import fit_budget
+    from rangeprof.byoc.plugin import get_plugin
+
+    report = progress or (lambda phase, done, total: None)
+    plugin = get_plugin(request.target, request.weight_bits)
+    report("quantizing", 0, 3)
+    qparams = qparams_document(request, plugin, request.method)
+    qm = _quantized(request, qparams, plugin)
+    kept: frozenset[str] = frozenset()
+    if request.accuracy_budget is not None:
+        # Targets with the same policy compute the same integers: measure where code runs.
+        host = plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
+        measured = qm if host is plugin else _quantized(request, qparams, host)
+        labels = read_labels(request.labels)
+        fitted = fit_budget(
+            measured, request.data, request.accuracy_budget, labels, request.samples, progress
+        )
+        kept = frozenset(fitted.kept_fp32)
+    report("compiling", 1, 3)
+    return build_artifact(qm, request.out, kept)
+
+
+def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict:
+    """FP32 against INT8 on the request's data; with ``method="all"`` every calibration method
+    of the profile, the best (top-1, else agreement, then SQNR) reported, the others listed."""
+    from rangeprof.byoc.evaluate import evaluate as run_evaluation
+    from rangeprof.byoc.evaluate import fit_budget
+    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.profiler.calibrate.methods import METHODS
+
+    plugin = get_plugin(request.target, request.weight_bits)
+    methods = list(METHODS) if request.method == "all" else [request.method]
+    labels = read_labels(request.labels)
+    results, qm = [], None
+    compiled: dict = {}  # the FP32 program serves every method
+    for method in methods:
+        qparams = qparams_document(request, plugin, method)
+        if qm is None:
+            qm = _quantized(request, qparams, plugin)
+        else:
+            qm = qm.replanned(qparams, request.fp32_fallback)
+        if request.accuracy_budget is None:
+            result = run_evaluation(
+                qm, request.data, labels, request.samples, progress=progress, compiled=compiled
+            )
+        else:
+            result = fit_budget(
+                qm, request.data, request.accuracy_budget, labels, request.samples, progress,
+                compiled,
+            )  # fmt: skip
+        results.append((qparams["options"]["method"], result.to_json()))
+
+    def rank(item):
+        _, doc = item
+        return (doc.get("int8_top1", doc["agreement"]), doc["output_sqnr_db"] or math.inf)
+
+    best_method, best = max(results, key=rank)
+    report = {
+        "method": best_method,
+        "target": request.target,
+        "weight_bits": request.weight_bits,
+        **best,
+    }
+    report["methods"] = [
+        {
+            "method": name,
+            "output_sqnr_db": doc["output_sqnr_db"],
+            "agreement": doc["agreement"],
+            **({"int8_top1": doc["int8_top1"]} if "int8_top1" in doc else {}),
+        }
+        for name, doc in results
+    ]
+    return report

@@ -1,0 +1,70 @@
+"""The jobs' requests: one typed, validated record per job, the same whichever front end (CLI,
+service worker, Python API) asks. A request holds only plain values and paths, so it serialises
+to JSON and back unchanged (``model_dump(mode="json")`` / ``model_validate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rangeprof.profiler.errors import RangeprofError
+
+Target = Literal["x86", "aarch64", "npu"]
+Method = Literal["max", "percentile", "entropy", "mse"]
+Shapes = dict[str, tuple[int, ...]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class QuantizeRequest(_Request):
+    """What an INT8 build and an evaluation share: the model, where its qparams come from (a
+    QPARAMS document, or a profile calibrated with the target's policy), and how to quantize."""
+
+    model: Path
+    target: Target = "x86"
+    qparams: Path | None = Field(None, description="A QPARAMS document (`rangeprof calibrate`).")
+    profile: Path | None = Field(None, description="A profile: qparams by `method`.")
+    method: Method = "max"
+    percentile: float = Field(99.99, gt=0, le=100)
+    input_shapes: Shapes = {}
+    fp32_fallback: bool = Field(False, description="Regions without qparams stay FP32.")
+    accuracy_budget: float | None = Field(
+        None, ge=0, description="Top-1 points INT8 may lose; the most sensitive layers stay FP32."
+    )
+    data: str | None = Field(None, description="Evaluation data, FILE.npz:KEY.")
+    labels: str | None = Field(None, description="Labels for top-1, FILE.npz:KEY.")
+    samples: int | None = Field(None, ge=1)
+    weight_bits: Literal[7, 8] = 8
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.qparams is None) == (self.profile is None):
+            raise RangeprofError("give exactly one of --qparams and --profile")
+        if self.accuracy_budget is not None and self.data is None:
+            raise RangeprofError("--accuracy-budget needs --data to measure the drop")
+        return self
+
+
+class BuildRequest(QuantizeRequest):
+    """``rangeprof build``: the deployable ``model.so`` and ``manifest.json`` in ``out``."""
+
+    out: Path
+
+
+class EvaluateRequest(QuantizeRequest):
+    """``rangeprof evaluate``: FP32 against INT8 on ``data``; ``method="all"`` tries every
+    calibration method on the profile and reports the best."""
+
+    method: Method | Literal["all"] = "max"
+    target: Literal["x86", "npu"] = "x86"
+    data: str
+
+    @model_validator(mode="after")
+    def _all_needs_profile(self):
+        if self.method == "all" and self.profile is None:
+            raise RangeprofError("--method all needs --profile")
+        return self
