@@ -11,7 +11,6 @@ URLs use psycopg 3. The pool holds as many connections as the server has request
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import QueuePool
 
 from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.settings import settings
 
-ENV_URL = "RANGEPROF_DB"
 _SQLITE_BUSY_TIMEOUT_S = 30
 # anyio's default of 40 threads runs the sync request handlers: one connection each at most.
 _POOL = {"pool_size": 8, "max_overflow": 32}
@@ -43,7 +42,7 @@ def data_dir() -> Path:
 
 def database_url(given: str | None = None) -> str:
     """The URL to use: ``given``, else ``$RANGEPROF_DB``, else the default SQLite file."""
-    return given or os.environ.get(ENV_URL) or f"sqlite:///{data_dir() / 'rangeprof.db'}"
+    return given or settings().db or f"sqlite:///{data_dir() / 'rangeprof.db'}"
 
 
 def sqlite_path(url: str) -> Path | None:

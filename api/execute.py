@@ -20,7 +20,6 @@ end-of-file and exits, so no job outlives its worker.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -92,20 +91,20 @@ def _shapes(job: Job) -> dict[str, tuple[int, ...]]:
 
 
 def _profile(job: Job, answer: Callable[..., None]) -> dict:
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+    """``rangeprof profile``, the same workflow."""
+    from rangeprof.workflows import profiling
+    from rangeprof.workflows.requests import ProfileRequest
 
-    run = profile_model
-    if job.ray:
-        from rangeprof.profiler.profiling.distributed import profile_distributed
-
-        run = functools.partial(profile_distributed, **job.ray)
-    return run(
-        job.model_file,
-        job.data,
+    ray = job.ray or {}
+    request = ProfileRequest(
+        model=Path(job.model_file),
+        data=job.data,
         input_shapes=_shapes(job),
-        options=ProfileOptions(**job.options),
-        progress=lambda done, total: answer(progress=[done, total]),
+        **job.options,
+        ray=ray.get("address"),
+        workers=ray.get("workers"),
     )
+    return profiling.profile(request, lambda done, total: answer(progress=[done, total]))
 
 
 def _evaluate(job: Job, answer: Callable[..., None]) -> dict:

@@ -32,6 +32,7 @@ from pathlib import Path
 from sqlalchemy import select, update
 
 from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.settings import settings
 
 from . import catalog, execute
 from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
@@ -44,9 +45,6 @@ from .storage import BlobStore, storage_root
 from .uploads import data_spec
 
 STOPPED = "server stopped while the run was running"
-# Profiling runs on a Ray cluster (rangeprof.profiler.profiling.distributed): `local` or its
-# address, and the workers.
-ENV_RAY, ENV_RAY_WORKERS = "RANGEPROF_RAY", "RANGEPROF_RAY_WORKERS"
 _WRITE_EVERY_S = 0.5
 # What a worker executes, in the order it looks for queued jobs.
 Table = type[Run] | type[Evaluation] | type[Build]
@@ -64,18 +62,15 @@ def ray_setting() -> dict | None:
     one started on this machine for each run) with ``RANGEPROF_RAY_WORKERS`` workers (default
     2), or, unset, in the job's own process. A bad value or a missing ray package fails now, when
     the worker starts, rather than run after run."""
-    address = os.environ.get(ENV_RAY)
-    if not address:
+    current = settings()
+    if not current.ray:
         return None
     from rangeprof.profiler.profiling.distributed import (
         require_ray,  # here: it brings TVM, which only runs need
     )
 
-    text = os.environ.get(ENV_RAY_WORKERS, "2")
-    if not (text.isdigit() and int(text) > 0):
-        raise RangeprofError(f"{ENV_RAY_WORKERS}={text!r} is not a positive number of workers")
     require_ray()
-    return {"address": address, "workers": int(text)}
+    return {"address": current.ray, "workers": current.ray_workers}
 
 
 CANCELLED = "cancelled by its owner"

@@ -19,14 +19,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .db import data_dir, sqlite_path
+from rangeprof.profiler.settings import settings
 
-ENV_STORAGE = "RANGEPROF_STORAGE"
+from .db import data_dir, sqlite_path
 
 
 def storage_root(url: str, given: str | Path | None = None) -> Path:
-    if given or os.environ.get(ENV_STORAGE):
-        return Path(given or os.environ[ENV_STORAGE])
+    configured = given or settings().storage
+    if configured:
+        return Path(configured)
     database = sqlite_path(url)
     if database is not None:
         return database.with_name(database.name + "-blobs")

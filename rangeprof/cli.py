@@ -5,7 +5,6 @@ with code 2; the JSON printed by ``--json`` goes to stdout alone so it can be pi
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from contextlib import contextmanager
@@ -103,14 +102,14 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show the model's layers with their profileIDs and the lineage after every stage."""
-    from rangeprof.profiler.ir.tracking import track_model
+    from rangeprof.workflows import profiling
 
     try:
+        request = _request("InspectRequest", model=model, input_shapes=_shapes(input_shape))
         with _err.status("importing and tracking stages...", spinner="dots"):
-            tracked = track_model(model, _shapes(input_shape))
+            doc = profiling.inspect(request)
     except RangeprofError as err:
         raise _fail(err) from None
-    doc = tracked.to_json()
     if as_json:
         typer.echo(json.dumps(doc, indent=1))
         return
@@ -193,40 +192,27 @@ def profile(
     ] = None,
 ) -> None:
     """Run calibration data through the instrumented FP32 model and write the profile."""
-    from rangeprof.profiler.profiling.data import parse_preprocess
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+    from rangeprof.workflows import profiling
 
     try:
         _check_out(out)
-        if bins < 0:
-            raise RangeprofError(f"--bins {bins} is negative")
-        options = ProfileOptions(
+        request = _request(
+            "ProfileRequest",
+            model=model,
+            data=data,
+            input_shapes=_shapes(input_shape),
             bins=bins,
             batch_size=batch_size,
             samples=samples,
             seed=seed,
             constant_inputs=tuple(constant_input or ()),
+            preprocess=preprocess,
+            ray=ray,
+            workers=workers,
+            shards=shards,
         )
-        spec = parse_preprocess(preprocess) if preprocess else None
-        execute = profile_model
-        if ray is not None:
-            from rangeprof.profiler.profiling.distributed import profile_distributed, require_ray
-
-            require_ray()  # before anything is loaded
-            execute = functools.partial(
-                profile_distributed, address=ray, workers=workers or 2, shards=shards
-            )
-        elif workers is not None or shards is not None:
-            raise RangeprofError("--workers and --shards apply to profiling on Ray: add --ray")
         with _progress() as advance:
-            doc = execute(
-                model,
-                data,
-                input_shapes=_shapes(input_shape),
-                options=options,
-                preprocess=spec,
-                progress=lambda done, total: advance("profiling", done, total),
-            )
+            doc = profiling.profile(request, lambda done, total: advance("profiling", done, total))
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, json.dumps(doc, indent=1))
@@ -246,19 +232,6 @@ Granularity = Annotated[str, typer.Option(help="per-tensor | per-channel (weight
 PowerOfTwo = Annotated[bool, typer.Option(help="Round scales up to powers of two.")]
 
 
-def _options(method, percentile, scheme, dtype, granularity, power_of_two):
-    from rangeprof.profiler.calibrate.methods import CalibrationOptions
-
-    return CalibrationOptions(
-        method=method,
-        percentile=percentile,
-        scheme=scheme,
-        dtype=dtype,
-        granularity=granularity,
-        power_of_two=power_of_two,
-    )
-
-
 @app.command()
 def calibrate(
     profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
@@ -271,13 +244,21 @@ def calibrate(
     power_of_two: PowerOfTwo = False,
 ) -> None:
     """Derive quantization parameters per profileID from a stored profile."""
-    from rangeprof.profiler.calibrate.methods import calibrate as derive
-    from rangeprof.profiler.profiling.document import load_profile
+    from rangeprof.workflows import profiling
 
     try:
         _check_out(out)
-        options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
-        doc = derive(load_profile(profile_path), options)
+        request = _request(
+            "CalibrateRequest",
+            profile=profile_path,
+            method=method,
+            percentile=percentile,
+            scheme=scheme,
+            dtype=dtype,
+            granularity=granularity,
+            power_of_two=power_of_two,
+        )
+        doc = profiling.calibrate(request)
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, json.dumps(doc, indent=1))
@@ -320,13 +301,22 @@ def export(
     power_of_two: PowerOfTwo = False,
 ) -> None:
     """Write the profile's ranges in another tool's format."""
-    from rangeprof.profiler.export.formats import export as render
-    from rangeprof.profiler.profiling.document import load_profile
+    from rangeprof.workflows import profiling
 
     try:
         _check_out(out)
-        options = _options(method, percentile, scheme, dtype, granularity, power_of_two)
-        text = render(load_profile(profile_path), fmt, options)
+        request = _request(
+            "ExportRequest",
+            profile=profile_path,
+            format=fmt,
+            method=method,
+            percentile=percentile,
+            scheme=scheme,
+            dtype=dtype,
+            granularity=granularity,
+            power_of_two=power_of_two,
+        )
+        text = profiling.export(request)
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, text)

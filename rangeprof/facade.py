@@ -44,9 +44,10 @@ class Model:
     def inspect(self) -> dict:
         """Its layers with their profileIDs and the lineage through every compiler stage (the
         document of ``rangeprof inspect --json``)."""
-        from rangeprof.profiler.ir.tracking import track_model
+        from rangeprof.workflows import profiling
+        from rangeprof.workflows.requests import InspectRequest
 
-        return track_model(self.path, self.input_shapes).to_json()
+        return profiling.inspect(InspectRequest(model=self.path, input_shapes=self.input_shapes))
 
 
 def load(path: str | Path, input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Model:
@@ -171,28 +172,32 @@ def profile(
     PyTorch ``DataLoader`` yields them (tensors convert through ``numpy()``), read once.
     ``progress(done, total)`` gets the samples done (``total`` is ``None`` for an iterable of
     unknown length)."""
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+    from rangeprof.workflows import profiling
+    from rangeprof.workflows.requests import ProfileRequest
 
     model = model if isinstance(model, Model) else load(model)
-    options = ProfileOptions(bins=bins, batch_size=batch_size, samples=samples, seed=seed)
-    source = str(data) if isinstance(data, str | Path) else data
-    document = profile_model(
-        model.path,
-        source,
+    held = not isinstance(data, str | Path)
+    request = ProfileRequest(
+        model=model.path,
+        data="arrays" if held else str(data),
         input_shapes=model.input_shapes,
-        options=options,
-        progress=progress,
+        bins=bins,
+        batch_size=batch_size,
+        samples=samples,
+        seed=seed,
     )
+    document = profiling.profile(request, progress, arrays=data if held else None)
     return Profile(document)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Int8Model:
     """A built INT8 program: ``folder`` holds ``model.so`` and ``manifest.json``."""
 
     folder: Path
     manifest: dict
     input_names: tuple[str, ...]
+    _main: Any = field(default=None, init=False, repr=False)  # loaded on the first run
 
     def run(self, inputs: Mapping[str, np.ndarray] | np.ndarray) -> list[np.ndarray]:
         """The program's outputs for one batch of ``inputs`` (by name, or the one array)."""
@@ -204,10 +209,19 @@ class Int8Model:
         missing = sorted(set(self.input_names) - set(inputs))
         if missing:
             raise KeyError(f"no array for input {', '.join(missing)}")
-        library = tvm.runtime.load_module(str(self.folder / self.manifest["library"]))
-        vm = relax.VirtualMachine(library, tvm.cpu())
+        if self._main is None:
+            from rangeprof.byoc.plugin import get_plugin
+            from rangeprof.profiler.errors import RangeprofError
+
+            if not get_plugin(self.manifest["target"]).runs_here:
+                raise RangeprofError(
+                    f"a {self.manifest['target']} build runs on its target, not on this host: "
+                    f"deploy {self.folder / self.manifest['library']} there"
+                )
+            library = tvm.runtime.load_module(str(self.folder / self.manifest["library"]))
+            self._main = relax.VirtualMachine(library, tvm.cpu())["main"]
         args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[n])) for n in self.input_names]
-        result = vm["main"](*args)
+        result = self._main(*args)
         if isinstance(result, tvm.runtime.Tensor):
             return [result.numpy()]
         return [item.numpy() for item in result]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from html import escape as html_escape
 
 import numpy as np
 import onnx
@@ -193,3 +194,27 @@ def test_progress_is_plain_lines_when_piped(tmp_path):
     lines = result.stderr.splitlines()
     assert "profiling: 4096/4096" in lines, lines
     assert lines[-1].startswith("profiled ") and not any("\x1b" in line for line in lines)
+
+
+def test_report_command_writes_one_offline_html(tmp_path):
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+
+    doc = profile_model(mb.save(mb.gemm(), tmp_path), "random", options=ProfileOptions(samples=4))
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(doc))
+    out = tmp_path / "report.html"
+    result = runner.invoke(app, ["report", str(profile), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    html = out.read_text()
+    assert html.lower().startswith("<!doctype html>") and "http" not in html
+    for entry in doc["tensors"]:
+        assert html_escape(entry["profile_id"]) in html
+    bad = tmp_path / "e.json"
+    bad.write_text('{"layers": 3}')
+    _fails_cleanly(
+        ["report", str(profile), "--evaluation", str(bad), "--out", str(out)],
+        "not the JSON of `rangeprof evaluate --json`",
+    )
+    _fails_cleanly(
+        ["report", str(profile), "--out", str(tmp_path / "nope" / "r.html")], "does not exist"
+    )

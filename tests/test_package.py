@@ -5,6 +5,7 @@ install."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -104,3 +105,30 @@ def test_the_cli_works_without_the_service_extra(tmp_path):
             "error: this command needs rangeprof's service extra (alembic is not installed): "
             "pip install 'rangeprof[service]'"
         ]
+
+
+# Each layer and what it may import of ours: the pipeline only itself, the targets the pipeline,
+# the workflows both, the service the workflows and below; the CLI and the facade anything.
+_LAYERS = {
+    "profiler": ("rangeprof.profiler",),
+    "byoc_plugins": ("rangeprof.profiler", "rangeprof.byoc"),
+    "rangeprof/workflows": ("rangeprof.profiler", "rangeprof.byoc", "rangeprof.workflows"),
+    "api": ("rangeprof.profiler", "rangeprof.byoc", "rangeprof.workflows", "rangeprof.service"),
+}
+
+
+@pytest.mark.parametrize("folder", list(_LAYERS))
+def test_no_layer_imports_one_above_it(folder):
+    allowed = _LAYERS[folder]
+    wrong = []
+    for path in sorted((REPO / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[0] == "rangeprof" and not name.startswith(allowed):
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert wrong == []

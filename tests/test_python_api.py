@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import rangeprof
 from rangeprof.cli import app
-from rangeprof.profiler.errors import CalibrationDataError
+from rangeprof.profiler.errors import CalibrationDataError, RangeprofError
 
 from conftest import SHARED, zoo_model
 
@@ -119,3 +119,9 @@ def test_build_runs_int8(digits, tmp_path):
     ]
     accuracy = np.mean(np.array(predictions) == labels[:100:batch])
     assert accuracy > 0.9
+
+
+def test_a_cross_compiled_build_is_not_run_here(tmp_path):
+    int8 = rangeprof.Int8Model(tmp_path, {"target": "aarch64", "library": "model.so"}, ("x",))
+    with pytest.raises(RangeprofError, match="an aarch64 build runs on its target"):
+        int8.run(np.zeros((1, 4), np.float32))

@@ -24,7 +24,7 @@ from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.distributed import plan_shards, profile_distributed
 from rangeprof.profiler.profiling.document import tensors_bytes, validate
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
-from rangeprof.service.jobs import ENV_RAY, ENV_RAY_WORKERS, ray_setting
+from rangeprof.service.jobs import ray_setting
 from rangeprof.service.limits import Limits
 
 from conftest import SHARED, zoo_model
@@ -199,13 +199,13 @@ def test_an_address_nobody_listens_on_is_a_one_line_error_at_once(tmp_path):
 
 
 def test_service_ray_setting(monkeypatch):
-    monkeypatch.delenv(ENV_RAY, raising=False)
+    monkeypatch.delenv("RANGEPROF_RAY", raising=False)
     assert ray_setting() is None
-    monkeypatch.setenv(ENV_RAY, "local")
-    monkeypatch.setenv(ENV_RAY_WORKERS, "lots")
-    with pytest.raises(RangeprofError, match=f"{ENV_RAY_WORKERS}='lots'"):
+    monkeypatch.setenv("RANGEPROF_RAY", "local")
+    monkeypatch.setenv("RANGEPROF_RAY_WORKERS", "lots")
+    with pytest.raises(RangeprofError, match="RANGEPROF_RAY_WORKERS='lots'"):
         ray_setting()
-    monkeypatch.setenv(ENV_RAY_WORKERS, "3")
+    monkeypatch.setenv("RANGEPROF_RAY_WORKERS", "3")
     pytest.importorskip("ray")
     assert ray_setting() == {"address": "local", "workers": 3}
 
@@ -217,8 +217,8 @@ def test_service_runs_on_ray_give_the_single_process_tensors(
     calib = write_calib(tmp_path, count=16)
     options = ProfileOptions(batch_size=8)  # the programs `single` compiled: no compile here
     reference = profile_model(zoo_model("digits_cnn"), f"{calib}:calib", options=options)
-    monkeypatch.setenv(ENV_RAY, cluster)
-    monkeypatch.setenv(ENV_RAY_WORKERS, "2")
+    monkeypatch.setenv("RANGEPROF_RAY", cluster)
+    monkeypatch.setenv("RANGEPROF_RAY_WORKERS", "2")
     limits = Limits(max_model_bytes=400_000, max_data_bytes=200_000)
     with live_service("sqlite", tmp_path, limits) as live:
         model = upload_model(live.owner, zoo_model("digits_cnn")).json()

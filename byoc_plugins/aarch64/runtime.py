@@ -17,6 +17,8 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from rangeprof.profiler.settings import settings
+
 from .toolchain import ToolchainError
 
 ENV_VAR = "RANGEPROF_AARCH64_RUNTIME"
@@ -38,10 +40,10 @@ def runtime_dir() -> Path:
     """``$RANGEPROF_AARCH64_RUNTIME``, else ``~/.cache/rangeprof/aarch64-runtime/<versions>``
     (under ``$XDG_CACHE_HOME`` when set). Not under ``$RANGEPROF_CACHE``: tests point that at a
     fresh directory per session, and the runtime is worth keeping across sessions."""
-    configured = os.environ.get(ENV_VAR)
-    if configured:
-        return Path(configured).absolute()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    current = settings()
+    if current.aarch64_runtime:
+        return current.aarch64_runtime.absolute()
+    cache = current.cache_home
     tag = "_".join(f"{dist}-{version}" for dist, version in _versions().items())
     return cache / "rangeprof" / "aarch64-runtime" / tag
 

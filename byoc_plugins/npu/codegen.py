@@ -13,20 +13,18 @@ the host code.
 
 from __future__ import annotations
 
-import os
-
 import tvm
 import tvm_ffi
 from tvm import relax
 
 from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.settings import settings
 
 from .core import NpuOp, read_core
 from .emit import c_source
 from .tiling import TilePlan, plan_tiles
 
 NAME = "rangeprof_npu"
-SRAM_ENV = "RANGEPROF_NPU_SRAM_KB"
 DEFAULT_SRAM_KB = 256
 
 
@@ -34,11 +32,7 @@ def sram_bytes(sram_kb: int | None = None) -> int:
     """The on-chip buffer size: ``sram_kb`` if given, else ``$RANGEPROF_NPU_SRAM_KB``, else
     256 KB."""
     if sram_kb is None:
-        text = os.environ.get(SRAM_ENV, str(DEFAULT_SRAM_KB))
-        try:
-            sram_kb = int(text)
-        except ValueError:
-            raise RangeprofError(f"{SRAM_ENV}={text!r} is not a whole number of KB") from None
+        sram_kb = settings().npu_sram_kb
     if sram_kb < 1:
         raise RangeprofError(f"the NPU buffer must be at least 1 KB, not {sram_kb}")
     return int(sram_kb) * 1024

@@ -21,6 +21,8 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
+from rangeprof.profiler.settings import settings
+
 # Bump when the instrumented program, its sidecar or its statistics kernels change.
 PROGRAM_FORMAT = 6
 
@@ -46,13 +48,12 @@ def _load_vm(library: Path) -> relax.VirtualMachine:
 
 
 def cache_root() -> Path | None:
-    configured = os.environ.get("RANGEPROF_CACHE")
-    if configured == "off":
+    current = settings()
+    if current.cache == "off":
         return None
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rangeprof"
+    if current.cache:
+        return Path(current.cache)
+    return current.cache_home / "rangeprof"
 
 
 def cache_key(

@@ -20,6 +20,55 @@ class _Request(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class InspectRequest(_Request):
+    """``rangeprof inspect``: the model's layers and their lineage through every stage."""
+
+    model: Path
+    input_shapes: Shapes = {}
+
+
+class ProfileRequest(_Request):
+    """``rangeprof profile``: calibration data through the instrumented FP32 model."""
+
+    model: Path
+    data: str = Field(description="FILE.npz[:KEY,...], FILE.npy, an image folder, or random.")
+    input_shapes: Shapes = {}
+    bins: int = Field(2048, ge=0, description="Histogram bins (0: no histograms).")
+    batch_size: int | None = Field(None, ge=1)
+    samples: int | None = Field(None, ge=1)
+    seed: int = Field(0, ge=0)
+    constant_inputs: tuple[str, ...] = ()
+    preprocess: str | None = Field(None, description="Image preprocessing, for a folder.")
+    ray: str | None = Field(None, description="A Ray cluster's address, or local.")
+    workers: int | None = Field(None, ge=1)
+    shards: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _ray_options(self):
+        if self.ray is None and (self.workers is not None or self.shards is not None):
+            raise RangeprofError("--workers and --shards apply to profiling on Ray: add --ray")
+        return self
+
+
+class CalibrateRequest(_Request):
+    """``rangeprof calibrate``: qparams from a stored profile (the choices are checked by
+    :class:`~rangeprof.profiler.calibrate.methods.CalibrationOptions`, which names them)."""
+
+    profile: Path
+    method: str = "max"
+    percentile: float = 99.99
+    scheme: str = "sym"
+    dtype: str = "int8"
+    granularity: str = "per-tensor"
+    power_of_two: bool = False
+
+
+class ExportRequest(CalibrateRequest):
+    """``rangeprof export``: the profile's ranges in another tool's format."""
+
+    format: str
+
+
 class QuantizeRequest(_Request):
     """What an INT8 build and an evaluation share: the model, where its qparams come from (a
     QPARAMS document, or a profile calibrated with the target's policy), and how to quantize."""
