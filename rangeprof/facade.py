@@ -215,7 +215,7 @@ class Int8Model:
 
             if not get_plugin(self.manifest["target"]).runs_here:
                 raise RangeprofError(
-                    f"a {self.manifest['target']} build runs on its target, not on this host: "
+                    f"this {self.manifest['target']} build runs on its target, not on this host: "
                     f"deploy {self.folder / self.manifest['library']} there"
                 )
             library = tvm.runtime.load_module(str(self.folder / self.manifest["library"]))

@@ -123,5 +123,5 @@ def test_build_runs_int8(digits, tmp_path):
 
 def test_a_cross_compiled_build_is_not_run_here(tmp_path):
     int8 = rangeprof.Int8Model(tmp_path, {"target": "aarch64", "library": "model.so"}, ("x",))
-    with pytest.raises(RangeprofError, match="an aarch64 build runs on its target"):
+    with pytest.raises(RangeprofError, match="this aarch64 build runs on its target"):
         int8.run(np.zeros((1, 4), np.float32))
