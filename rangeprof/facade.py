@@ -175,12 +175,13 @@ def profile(
     from rangeprof.workflows import profiling
     from rangeprof.workflows.requests import ProfileRequest
 
-    model = model if isinstance(model, Model) else load(model)
+    # A path is loaded once, by the profiling run itself.
+    path, shapes = (model.path, model.input_shapes) if isinstance(model, Model) else (model, {})
     held = not isinstance(data, str | Path)
     request = ProfileRequest(
-        model=model.path,
+        model=path,
         data="arrays" if held else str(data),
-        input_shapes=model.input_shapes,
+        input_shapes=shapes,
         bins=bins,
         batch_size=batch_size,
         samples=samples,

@@ -232,10 +232,7 @@ def open_data(
     preprocess: Preprocess | None = None,
 ) -> CalibrationData:
     """Open the calibration source ``spec`` (see the module docstring) for a model's inputs."""
-    if batch_size < 1:
-        raise CalibrationDataError(f"batch size {batch_size} is not positive")
-    if samples is not None and samples < 1:
-        raise CalibrationDataError(f"sample count {samples} is not positive")
+    _check_counts(batch_size, samples)
     if seed < 0:
         raise CalibrationDataError(f"seed {seed} is negative")
     if spec == RANDOM:
@@ -284,10 +281,7 @@ def open_arrays(
         raise CalibrationDataError(
             f"inputs {whole} are fed whole in every run: give the data as an .npz file"
         )
-    if batch_size < 1:
-        raise CalibrationDataError(f"batch size {batch_size} is not positive")
-    if samples is not None and samples < 1:
-        raise CalibrationDataError(f"sample count {samples} is not positive")
+    _check_counts(batch_size, samples)
     if isinstance(source, Mapping | np.ndarray):
         arrays = _named(source, fed, "the data")
         counts = {_check_array(f"array {i.name!r}", arrays[i.name].shape,
@@ -366,12 +360,22 @@ def _named(item, inputs: Sequence[InputSpec], what: str) -> dict[str, np.ndarray
 
 
 def _split(held: list[dict], size: int, inputs: Sequence[InputSpec]):
-    """The first ``size`` samples of the held chunks, and what is left of them."""
-    joined = {i.name: np.concatenate([h[i.name] for h in held]) for i in inputs}
-    batch = {i.name: _cast(joined[i.name][:size], i) for i in inputs}
-    rest = {i.name: joined[i.name][size:] for i in inputs}
-    left = len(rest[inputs[0].name])
-    return batch, [rest] if left else [], left
+    """The first ``size`` samples of the held chunks, and what is left of them (views: only the
+    batch is copied, so a big chunk fed in small batches is not copied again for each)."""
+    name = inputs[0].name
+    taken, left, need = [], [], size
+    for chunk in held:
+        rows = len(chunk[name])
+        if need >= rows:
+            taken.append(chunk)
+        elif need:
+            taken.append({k: v[:need] for k, v in chunk.items()})
+            left.append({k: v[need:] for k, v in chunk.items()})
+        else:
+            left.append(chunk)
+        need = max(need - rows, 0)
+    batch = {i.name: _cast(np.concatenate([t[i.name] for t in taken]), i) for i in inputs}
+    return batch, left, sum(len(chunk[name]) for chunk in left)
 
 
 def _first(batch: dict[str, np.ndarray], count: int, inputs) -> dict[str, np.ndarray]:
@@ -384,6 +388,13 @@ def _array_reader(array: np.ndarray, inp: InputSpec) -> Reader:
             yield _cast(array[start:stop], inp)
 
     return read
+
+
+def _check_counts(batch_size: int, samples: int | None) -> None:
+    if batch_size < 1:
+        raise CalibrationDataError(f"batch size {batch_size} is not positive")
+    if samples is not None and samples < 1:
+        raise CalibrationDataError(f"sample count {samples} is not positive")
 
 
 def _no_preprocess(spec: str, preprocess: Preprocess | None) -> None:

@@ -37,16 +37,20 @@ def read_labels(spec: str | None):
     return labels
 
 
-def qparams_document(request: QuantizeRequest, plugin, method: str) -> dict:
-    """The request's QPARAMS document: read and checked, or derived from its profile."""
+def _ranges(request: QuantizeRequest) -> Callable[[object, str], dict]:
+    """``qparams(plugin, method)``: the request's QPARAMS document, read and checked, or derived
+    from its profile; either file is read once, however many methods ask."""
     from rangeprof.byoc.quantized import qparams_from_profile
     from rangeprof.profiler.calibrate.methods import read_qparams
     from rangeprof.profiler.profiling.document import load_profile
 
     if request.profile is not None:
         profile = load_profile(request.profile)
-        return qparams_from_profile(profile, plugin, method, request.percentile)
-    return read_qparams(request.qparams)
+        return lambda plugin, method: qparams_from_profile(
+            profile, plugin, method, request.percentile
+        )
+    document = read_qparams(request.qparams)
+    return lambda plugin, method: document
 
 
 def _quantized(request: QuantizeRequest, qparams: dict, plugin):
@@ -67,7 +71,7 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     report = progress or (lambda phase, done, total: None)
     plugin = get_plugin(request.target, request.weight_bits)
     report("quantizing", 0, 3)
-    qparams = qparams_document(request, plugin, request.method)
+    qparams = _ranges(request)(plugin, request.method)
     qm = _quantized(request, qparams, plugin)
     kept: frozenset[str] = frozenset()
     if request.accuracy_budget is not None:
@@ -96,8 +100,9 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
     labels = read_labels(request.labels)
     results, qm = [], None
     compiled: dict = {}  # the FP32 program serves every method
+    ranges = _ranges(request)
     for method in methods:
-        qparams = qparams_document(request, plugin, method)
+        qparams = ranges(plugin, method)
         if qm is None:
             qm = _quantized(request, qparams, plugin)
         else:
