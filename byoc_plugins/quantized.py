@@ -1,9 +1,10 @@
 """A model ready to quantize for one plugin: tracked, partitioned, its regions planned.
 
 :func:`quantize_model` is what ``rangeprof build`` and ``rangeprof evaluate`` start from: the
-tagged model through the tracked stages up to ``fold_scale_axis`` (weights already absorb batch
-norms and channel scales, lineage carried by every pass), partitioned by the plugin's patterns,
-each region given its qparams by profileID. :meth:`QuantizedModel.lower` then gives
+tagged model through the canonical stages of :mod:`rangeprof.profiler.ir.stages` (weights
+already absorb batch norms and channel scales, lineage carried by every pass; equalized when the
+qparams' profile was), partitioned by the plugin's patterns, each region given its qparams by
+profileID. :meth:`QuantizedModel.lower` then gives
 the module for any choice of region modes.
 """
 
@@ -13,32 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
-from tvm import relax
 
-from rangeprof.profiler.build.schedules.prepare import prepare
 from rangeprof.profiler.calibrate.methods import calibrate
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.ir.importer import ImportedModel, import_onnx
-from rangeprof.profiler.ir.lineage import Tracked
 from rangeprof.profiler.ir.onnx_load import load_model
-from rangeprof.profiler.ir.passes.fold_scale_axis import FoldScaleAxis
+from rangeprof.profiler.ir.passes.equalize import NAME as EQUALIZATION
+from rangeprof.profiler.ir.stages import canonicalized, partition
 
 from .lowering import lower
 from .plugin import Plugin
 from .policy import quantize_weights
-from .regions import Region, partition, plan_regions
-
-# The tracked stages up to fold_scale_axis, with constants folded in numpy (``prepare``: what
-# the fast build does) rather than by Relax's FoldConstant, which compiles every constant op
-# (12 s on ppocr_cls); ``prepare`` also turns Clip back into operators for the patterns.
-_FOLD = tvm.transform.Sequential(
-    [
-        Tracked(relax.transform.DecomposeOpsForInference()),
-        Tracked(prepare),
-        Tracked(FoldScaleAxis()),
-        Tracked(prepare),
-    ]
-)
+from .regions import Region, plan_regions
 
 
 @dataclass
@@ -106,6 +93,7 @@ def quantize_model(
     A QDQ model is built as the FP32 model beneath its pairs (the plugin quantizes it itself;
     ``rangeprof import-qparams`` gives its pairs' scales as ``qparams``)."""
     imported = import_onnx(load_model(path, input_shapes, dequantize=True))
-    partitioned = partition(_FOLD(imported.mod), plugin.patterns())
+    equalize = EQUALIZATION in qparams["model"].get("transforms", [])
+    partitioned = partition(canonicalized(imported.mod, equalize), plugin.patterns())
     unplanned = QuantizedModel(imported, plugin, partitioned, [], qparams)
     return unplanned.replanned(qparams, fp32_fallback)

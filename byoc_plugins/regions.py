@@ -1,10 +1,10 @@
 """Regions: the offloaded subgraphs of a model, found by a plugin's patterns, and their qparams
 found through the lineage.
 
-:func:`partition` runs ``FuseOpsByPattern`` on the model after ``fold_scale_axis`` (batch norms
-and channel scales folded into the weights): every match becomes a composite function called
-from ``main``. A composite carries the profileIDs of the initial nodes it covers (its lineage),
-and the tensors at its boundaries are named by them:
+:func:`~rangeprof.profiler.ir.stages.partition` runs ``FuseOpsByPattern`` on the model after
+``fold_scale_axis`` (batch norms and channel scales folded into the weights): every match becomes
+a composite function called from ``main``. A composite carries the profileIDs of the initial
+nodes it covers (its lineage), and the tensors at its boundaries are named by them:
 
 * the **output** is the value of the region's last initial node: of the tensor IDs in its
   lineage, the latest in the initial program order — a conv that absorbed a batch norm, a ReLU
@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 
 from rangeprof.profiler.errors import RangeprofError
-from rangeprof.profiler.ir.lineage import Tracked, function_lineage
+from rangeprof.profiler.ir.lineage import function_lineage
 from rangeprof.profiler.ir.spans import ids_of
 from rangeprof.profiler.ir.tagging import INPUT_PREFIX, LayerRecord
 
@@ -59,13 +59,6 @@ class Region:
             "output": self.output and self.output.to_json(),
             "fallback": self.fallback,
         }
-
-
-def partition(mod: tvm.IRModule, patterns: list[relax.transform.FusionPattern]) -> tvm.IRModule:
-    """Composite functions for every match of ``patterns`` (constants bound inside them),
-    with lineage carried onto their call sites."""
-    fuse = relax.transform.FuseOpsByPattern(patterns, bind_constants=True, annotate_codegen=False)
-    return Tracked(fuse)(mod)
 
 
 def composite_calls(mod: tvm.IRModule) -> list[tuple[relax.VarBinding, relax.Function]]:

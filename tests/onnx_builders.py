@@ -107,3 +107,32 @@ def unnamed_nodes() -> onnx.ModelProto:
         helper.make_node("Relu", ["b"], ["y"]),
     ]
     return single_io_model(nodes, {}, (2, 3), (2, 3))
+
+
+def unbalanced_pair(activation: str = "Relu") -> onnx.ModelProto:
+    """conv (bias) -> BN -> activation -> depthwise conv -> conv: output channels of the first
+    conv a thousand times apart in range, what cross-layer equalization evens out."""
+    rng = np.random.default_rng(5)
+    spread = np.geomspace(0.01, 10.0, 8)[:, None, None, None]
+    inits = {
+        "w1": rng.normal(size=(8, 3, 3, 3)) * spread,
+        "b1": rng.normal(size=8),
+        **_bn_inits(rng, 8),
+        "w2": rng.normal(size=(8, 1, 3, 3)),
+        "w3": rng.normal(size=(4, 8, 1, 1)),
+    }
+    act = (
+        [helper.make_node("Clip", ["n", "lo", "hi"], ["a"], name="act")]
+        if activation == "Clip"
+        else [helper.make_node(activation, ["n"], ["a"], name="act")]
+    )
+    if activation == "Clip":
+        inits |= {"lo": np.float32(0.0), "hi": np.float32(6.0)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+        _bn("c", "n", "bn"),
+        *act,
+        helper.make_node("Conv", ["a", "w2"], ["d"], name="dw", pads=[1, 1, 1, 1], group=8),
+        helper.make_node("Conv", ["d", "w3"], ["y"], name="pw"),
+    ]
+    return single_io_model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))

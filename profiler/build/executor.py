@@ -27,13 +27,13 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from rangeprof.profiler.build.schedules import build, host_target
 from rangeprof.profiler.ir.bindings import function_bindings, used_vars
 from rangeprof.profiler.ir.passes.observe_statistics import ObservedOutputs, ObserveStatistics
-from rangeprof.profiler.build.schedules import build, host_target
 from rangeprof.profiler.ir.spans import ids_of
+from rangeprof.profiler.ir.tagging import LayerRecord
 from rangeprof.profiler.profiling.statistics import DEFAULT_BINS, TensorStats
 from rangeprof.profiler.profiling.stats_kernel import Totals, decode
-from rangeprof.profiler.ir.tagging import LayerRecord
 
 _CHANNEL_AXIS_BY_OP = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1, "MatMul": -1}
 STATIC = "observe_static"  # the program's function returning the data-independent statistics

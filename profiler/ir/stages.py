@@ -1,61 +1,87 @@
-"""The tracked compilation stages, from the tagged initial IR to fused and partitioned IR.
+"""The stage table: one list of the passes that lead from the tagged initial IR to what each
+consumer compiles, shared by ``rangeprof inspect``, the profiling build, the CPU build and every
+BYOC plugin, so that what ``inspect`` shows is what they run.
 
-Stages run in this order, each one on the previous stage's module, except that ``fuse_ops``
-(what the executor compiles) and ``partition`` (what BYOC plugins see) both start from
-``fold_scale_axis``:
+    initial [-> equalize] -> simplify_inference -> fold_constant -> fold_scale_axis -> fuse_ops
+                                                                                  \\-> partition
 
-    initial -> simplify_inference -> fold_constant -> fold_scale_axis -> fuse_ops
-                                                                    \\-> partition
+* the **canonical** stages (:data:`CANONICAL`) are what everyone runs first; the profiling build
+  stops after ``fold_constant``, where every tensor of the initial IR still exists to be
+  observed (nothing folds into a weight); the CPU build and the plugins go on to
+  ``fold_scale_axis``;
+* ``equalize`` (cross-layer equalization,
+  :mod:`~rangeprof.profiler.ir.passes.equalize`) runs only when asked, on the initial IR: the
+  profiling build instruments the equalized model; a profile made with it records so and every
+  later build of that profile runs it again (it depends on the weights alone);
+* ``fuse_ops`` is TVM's operator fusion, ``partition`` a plugin's pattern table
+  (:func:`partition`) — ``inspect`` shows the one of the target it is given.
 
-Every TVM pass that may drop spans is wrapped in :class:`~rangeprof.profiler.ir.lineage.Tracked`.
+Every pass here keeps spans, or is wrapped in :class:`~rangeprof.profiler.ir.lineage.Tracked`
+where it is tracked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import tvm
 from tvm import relax
-from tvm.relax.dpl import is_const, is_op, wildcard
 
 from rangeprof.profiler.ir.lineage import StageReport, Tracked, stage_report
-from rangeprof.profiler.ir.passes.fold_constant import fold_constant_numpy
+from rangeprof.profiler.ir.passes.canonicalize import canonicalize, legalize_training_batch_norm
+from rangeprof.profiler.ir.passes.equalize import CrossLayerEqualization
 from rangeprof.profiler.ir.passes.fold_scale_axis import FoldScaleAxis
 
-STAGE_NAMES = (
-    "initial",
-    "simplify_inference",
-    "fold_constant",
-    "fold_scale_axis",
-    "fuse_ops",
-    "partition",
-)
+Patterns = list[relax.transform.FusionPattern]
 
 
-def conv_dense_patterns(prefix: str = "rangeprof") -> list[relax.transform.FusionPattern]:
-    """A generic pattern table: conv2d / matmul with constant weights, optional bias and relu.
-
-    Longest patterns first: FuseOpsByPattern takes the first pattern that matches.
-    """
-    patterns = []
-    for op in ("relax.nn.conv2d", "relax.matmul"):
-        short = op.rsplit(".", 1)[-1]
-        base = is_op(op)(wildcard(), is_const())
-        biased = is_op("relax.add")(base, is_const())
-        patterns += [
-            (f"{prefix}.{short}_bias_relu", is_op("relax.nn.relu")(biased)),
-            (f"{prefix}.{short}_bias", biased),
-            (f"{prefix}.{short}_relu", is_op("relax.nn.relu")(base)),
-            (f"{prefix}.{short}", base),
-        ]
-    return [relax.transform.FusionPattern(name, pattern) for name, pattern in patterns]
-
-
-@dataclass
-class Stage:
+@dataclass(frozen=True)
+class StageSpec:
     name: str
-    mod: tvm.IRModule
-    report: StageReport
+    passes: Callable[[], list[tvm.transform.Pass]]
+
+
+# Batch norms become per-channel constants, folded in numpy (``canonicalize``), then fold into
+# conv / dense weights, leaving one bias add per layer (``canonicalize`` again makes the biases
+# full rank).
+CANONICAL = (
+    StageSpec("equalize", lambda: [CrossLayerEqualization()]),
+    StageSpec(
+        "simplify_inference",
+        lambda: [legalize_training_batch_norm, relax.transform.DecomposeOpsForInference()],
+    ),
+    StageSpec("fold_constant", lambda: [canonicalize]),
+    StageSpec("fold_scale_axis", lambda: [FoldScaleAxis(), canonicalize]),
+)
+PROFILED = "fold_constant"  # the last stage of the profiling build
+
+
+def _canonical(until: str, equalize: bool) -> list[StageSpec]:
+    names = [s.name for s in CANONICAL]
+    specs = CANONICAL[: names.index(until) + 1]
+    return [s for s in specs if equalize or s.name != "equalize"]
+
+
+def canonical_passes(
+    until: str = "fold_scale_axis", equalize: bool = False, tracked: bool = False
+) -> list[tvm.transform.Pass]:
+    """The canonical stages' passes, in order, up to and including stage ``until``;
+    ``tracked`` wraps each in :class:`Tracked` (carrying lineage through TVM's own passes)."""
+    passes = [p for spec in _canonical(until, equalize) for p in spec.passes()]
+    return [Tracked(p) for p in passes] if tracked else passes
+
+
+def canonicalized(mod: tvm.IRModule, equalize: bool = False) -> tvm.IRModule:
+    """``mod`` through every canonical stage, lineage tracked: what plugins partition."""
+    return tvm.transform.Sequential(canonical_passes(equalize=equalize, tracked=True))(mod)
+
+
+def partition(mod: tvm.IRModule, patterns: Patterns) -> tvm.IRModule:
+    """Composite functions for every match of a plugin's ``patterns`` (constants bound inside
+    them), with lineage carried onto their call sites."""
+    fuse = relax.transform.FuseOpsByPattern(patterns, bind_constants=True, annotate_codegen=False)
+    return Tracked(fuse)(mod)
 
 
 def _fuse_ops() -> list[tvm.transform.Pass]:
@@ -67,36 +93,50 @@ def _fuse_ops() -> list[tvm.transform.Pass]:
     ]
 
 
-def _partition(patterns) -> list[tvm.transform.Pass]:
-    return [
-        Tracked(
-            relax.transform.FuseOpsByPattern(patterns, bind_constants=False, annotate_codegen=True)
-        ),
-        Tracked(relax.transform.MergeCompositeFunctions()),
-    ]
+@dataclass
+class Stage:
+    name: str
+    mod: tvm.IRModule
+    report: StageReport
+
+
+def stage_names(equalize: bool = False, partitioned: bool = True) -> tuple[str, ...]:
+    """The stages :func:`run_stages` reports, in order."""
+    names = ["initial", *(s.name for s in _canonical("fold_scale_axis", equalize)), "fuse_ops"]
+    return tuple([*names, "partition"] if partitioned else names)
+
+
+STAGE_NAMES = stage_names()
 
 
 def run_stages(
     mod: tvm.IRModule,
     all_ids: set[str],
     initial_fates: dict[str, str] | None = None,
-    patterns: list[relax.transform.FusionPattern] | None = None,
+    patterns: Patterns | None = None,
+    equalize: bool = False,
 ) -> list[Stage]:
-    """Runs every stage on the tagged initial module and reports lineage after each."""
-    # numpy first: TVM's FoldConstant compiles each call with LLVM; it folds what is left.
-    fold = [Tracked(fold_constant_numpy), Tracked(relax.transform.FoldConstant())]
-    plan = [
-        ("simplify_inference", "initial", [Tracked(relax.transform.DecomposeOpsForInference())]),
-        ("fold_constant", "simplify_inference", fold),
-        ("fold_scale_axis", "fold_constant", [Tracked(FoldScaleAxis())]),
-        ("fuse_ops", "fold_scale_axis", _fuse_ops()),
-        ("partition", "fold_scale_axis", _partition(patterns or conv_dense_patterns())),
-    ]
+    """Runs every stage on the tagged initial module and reports lineage after each;
+    ``partition`` with a plugin's ``patterns``, when given."""
+    plan: list[tuple[str, str, Sequence[tvm.transform.Pass]]] = []
+    source = "initial"
+    for spec in _canonical("fold_scale_axis", equalize):
+        plan.append((spec.name, source, [Tracked(p) for p in spec.passes()]))
+        source = spec.name
+    plan.append(("fuse_ops", source, _fuse_ops()))
     initial = stage_report("initial", mod, all_ids, previous_fates=initial_fates)
-    stages = {"initial": Stage("initial", mod, initial)}
+    stages = [Stage("initial", mod, initial)]
+    by_name = {"initial": stages[0]}
+
+    def report(name: str, before: Stage, after: tvm.IRModule) -> None:
+        rep = stage_report(name, after, all_ids, before.mod, before.report.fates)
+        by_name[name] = Stage(name, after, rep)
+        stages.append(by_name[name])
+
     for name, source, passes in plan:
-        before = stages[source]
-        after = tvm.transform.Sequential(passes)(before.mod)
-        report = stage_report(name, after, all_ids, before.mod, before.report.fates)
-        stages[name] = Stage(name, after, report)
-    return [stages[n] for n in STAGE_NAMES]
+        before = by_name[source]
+        report(name, before, tvm.transform.Sequential(list(passes))(before.mod))
+    if patterns is not None:
+        before = by_name[source]
+        report("partition", before, partition(before.mod, patterns))
+    return stages

@@ -11,7 +11,7 @@ from pathlib import Path
 from rangeprof.profiler.ir.importer import ImportedModel, import_onnx
 from rangeprof.profiler.ir.lineage import verify_lineage
 from rangeprof.profiler.ir.onnx_load import LoadedModel, load_model
-from rangeprof.profiler.ir.stages import Stage, run_stages
+from rangeprof.profiler.ir.stages import Patterns, Stage, run_stages
 
 
 @dataclass
@@ -44,17 +44,26 @@ class TrackedModel:
         }
 
 
-def track(loaded: LoadedModel) -> TrackedModel:
-    """Import, tag and run every tracked stage; a lineage defect is our bug and raises."""
+def track(
+    loaded: LoadedModel, patterns: Patterns | None = None, equalize: bool = False
+) -> TrackedModel:
+    """Import, tag and run every tracked stage (``partition`` with a plugin's ``patterns``, when
+    given; ``equalize`` when asked); a lineage defect is our bug and raises."""
     imported = import_onnx(loaded)
     ids = {layer.profile_id for layer in imported.layers}
-    tracked = TrackedModel(imported, run_stages(imported.mod, ids, imported.fates))
+    stages = run_stages(imported.mod, ids, imported.fates, patterns, equalize)
+    tracked = TrackedModel(imported, stages)
     problems = tracked.problems()
     if problems:
         raise RuntimeError(f"lineage check failed for {loaded.name}: " + "; ".join(problems[:5]))
     return tracked
 
 
-def track_model(path: str | Path, input_shapes: dict | None = None) -> TrackedModel:
-    """The whole identity pipeline for one ONNX file."""
-    return track(load_model(path, input_shapes))
+def track_model(
+    path: str | Path,
+    input_shapes: dict | None = None,
+    patterns: Patterns | None = None,
+    equalize: bool = False,
+) -> TrackedModel:
+    """The whole identity pipeline for one ONNX file (see :func:`track`)."""
+    return track(load_model(path, input_shapes), patterns, equalize)

@@ -45,8 +45,10 @@ def build_document(
     stats: dict[str, TensorStats],
     static_ids: set[str],
     run: dict,
+    transforms: tuple[str, ...] = (),
 ) -> dict:
-    """The profile document for one model, in layer order; ``stages`` are stage reports."""
+    """The profile document for one model, in layer order; ``stages`` are stage reports;
+    ``transforms`` the passes that changed the model's weights before it was profiled."""
     tensors = []
     for layer in layers:
         record = stats.get(layer.profile_id)
@@ -78,6 +80,7 @@ def build_document(
                 if model.bound
                 else {}
             ),
+            **({"transforms": list(transforms)} if transforms else {}),
         },
         "run": run,
         "tensors": tensors,

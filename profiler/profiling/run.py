@@ -36,6 +36,7 @@ from rangeprof.profiler.profiling.data import (
     open_data,
     sample_batch,
 )
+from rangeprof.profiler.ir.passes.equalize import NAME as EQUALIZATION
 from rangeprof.profiler.profiling.document import build_document
 from rangeprof.profiler.profiling.statistics import DEFAULT_BINS, TensorStats
 from rangeprof.profiler.profiling.stats_kernel import Totals
@@ -49,6 +50,7 @@ class ProfileOptions:
     seed: int = 0
     # inputs fed whole in every run, not batched along dim 0 (see rangeprof.profiler.profiling.data)
     constant_inputs: tuple[str, ...] = ()
+    equalize: bool = False  # profile the cross-layer equalized model (rangeprof.profiler.ir.passes.equalize)
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -94,8 +96,16 @@ class _Builder:
     the sidecar.
     """
 
-    def __init__(self, path: Path, bins: int | None, constant: frozenset[str], cache: BuildCache):
+    def __init__(
+        self,
+        path: Path,
+        bins: int | None,
+        constant: frozenset[str],
+        cache: BuildCache,
+        equalize: bool = False,
+    ):
         self.path, self.bins, self.constant, self.cache = path, bins, constant, cache
+        self.equalize = equalize
         self.digest = _file_digest(path)
         self.target = host_target()
         self.bound: dict[str, np.ndarray] = {}  # the value inputs' values, once the data gives them
@@ -121,6 +131,7 @@ class _Builder:
                 bins=self.bins,
                 batch=batch_size,
                 bound=bound,
+                equalize=self.equalize,
             )
             hit = self.cache.load(key)
             if hit is not None:
@@ -143,8 +154,10 @@ class _Builder:
         return _Prepared(model, program, layers, side["stages"], cached=True)
 
     def _build(self, loaded: LoadedModel, key: str | None) -> _Prepared:
-        tracked = track(loaded)
+        tracked = track(loaded, equalize=self.equalize)
         imported = tracked.imported
+        if self.equalize:  # the program observes the equalized model, under the same IDs
+            imported = replace(imported, mod=tracked.stage("equalize").mod)
         stages = [s.report.to_json() for s in tracked.stages]
         names = loaded.program_inputs
         load = None if key is None else functools.partial(self.cache.store_library, key)
@@ -171,6 +184,7 @@ def _builder(path: str | Path, options: ProfileOptions, cache: BuildCache | None
         options.bins or None,
         frozenset(options.constant_inputs),
         BuildCache() if cache is None else cache,
+        options.equalize,
     )
 
 
@@ -349,8 +363,9 @@ class ModelProfiler:
         }
         model, layers = self.prepared.model, self.prepared.layers
         static_ids = set(self.programs.get(self.batch_size).static)
+        transforms = (EQUALIZATION,) if options.equalize else ()
         return build_document(
-            model, layers, model.fates, self.prepared.stages, stats, static_ids, run
+            model, layers, model.fates, self.prepared.stages, stats, static_ids, run, transforms
         )
 
 

@@ -12,10 +12,13 @@ Progress = Callable[[int, int | None], None]  # (samples done, samples in all if
 
 
 def inspect(request: InspectRequest) -> dict:
-    """The document of ``rangeprof inspect --json``."""
+    """The document of ``rangeprof inspect --json``: every stage, ``partition`` as the request's
+    target partitions."""
+    from rangeprof.byoc.plugin import get_plugin
     from rangeprof.profiler.ir.tracking import track_model
 
-    return track_model(request.model, request.input_shapes).to_json()
+    patterns = get_plugin(request.target).patterns()
+    return track_model(request.model, request.input_shapes, patterns, request.equalize).to_json()
 
 
 def profile(request: ProfileRequest, progress: Progress | None = None, arrays=None) -> dict:
@@ -30,6 +33,7 @@ def profile(request: ProfileRequest, progress: Progress | None = None, arrays=No
         samples=request.samples,
         seed=request.seed,
         constant_inputs=request.constant_inputs,
+        equalize=request.equalize,
     )
     preprocess = parse_preprocess(request.preprocess) if request.preprocess else None
     execute = profile_model

@@ -64,7 +64,13 @@ from rangeprof.profiler.build.schedules.elementwise import (
     schedule_spatial,
     unroll_vectorize_tile,
 )
-from rangeprof.profiler.build.schedules.isa import DOT_INSTRUCTIONS, DotInstruction, dot_instruction, pair_instruction, vector_unit
+from rangeprof.profiler.build.schedules.isa import (
+    DOT_INSTRUCTIONS,
+    DotInstruction,
+    dot_instruction,
+    pair_instruction,
+    vector_unit,
+)
 
 CONV = "conv2d_int8"
 DEPTHWISE = "depthwise_conv2d_int8"

@@ -22,7 +22,12 @@ import numpy as np
 import tvm
 from tvm import relax, s_tir, te
 
-from rangeprof.profiler.build.schedules.elementwise import extent, inline_epilogue, largest_divisor, unroll_vectorize_tile
+from rangeprof.profiler.build.schedules.elementwise import (
+    extent,
+    inline_epilogue,
+    largest_divisor,
+    unroll_vectorize_tile,
+)
 from rangeprof.profiler.build.schedules.isa import VectorUnit, vector_unit
 
 DENSE = "dense_packed"

@@ -21,7 +21,14 @@ import tvm
 from tvm import relax, s_tir, te, tirx
 
 from rangeprof.profiler.build.schedules.conv2d import find_block
-from rangeprof.profiler.build.schedules.conv2d_int8 import STAGE, corrected, dot_kernel, finish_dot_tile, is_int8, stage
+from rangeprof.profiler.build.schedules.conv2d_int8 import (
+    STAGE,
+    corrected,
+    dot_kernel,
+    finish_dot_tile,
+    is_int8,
+    stage,
+)
 from rangeprof.profiler.build.schedules.dot import INSTRUCTION, chosen_instruction
 from rangeprof.profiler.build.schedules.elementwise import extent, inline_epilogue
 from rangeprof.profiler.build.schedules.isa import DOT_INSTRUCTIONS

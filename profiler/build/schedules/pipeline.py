@@ -2,13 +2,15 @@
 
 Order of passes, and why:
 
-1. ``DecomposeOpsForInference`` and :data:`~rangeprof.profiler.build.schedules.prepare.prepare` (numpy constant
-   folding, ``Clip`` back to operators): batch norms become per-channel constants.
-2. :class:`~rangeprof.profiler.ir.passes.fold_scale_axis.FoldScaleAxis` folds them into conv / dense weights,
-   leaving one bias add per layer; ``prepare`` again makes those biases full rank. (Skipped with
-   ``fold_scales=False``, the profiling build, where every tensor is observed and none folds.)
+1. The canonical stages of :mod:`rangeprof.profiler.ir.stages` (the stage table ``inspect`` and
+   the plugins share): ``DecomposeOpsForInference`` and
+   :data:`~rangeprof.profiler.ir.passes.canonicalize.canonicalize` (numpy constant folding,
+   ``Clip`` back to operators) make batch norms per-channel constants.
+2. :class:`~rangeprof.profiler.ir.passes.fold_scale_axis.FoldScaleAxis` folds them into conv /
+   dense weights, leaving one bias add per layer. (Skipped with ``fold_scales=False``, the
+   profiling build, where every tensor is observed and none folds: it stops at ``PROFILED``.)
 3. ``ConvertLayout`` to NHWC/OHWI: channels innermost, so every conv, pooling and elementwise
-   kernel vectorises over channels; ``prepare`` folds the transposed weights, and
+   kernel vectorises over channels; ``canonicalize`` folds the transposed weights, and
    :data:`~rangeprof.profiler.build.schedules.prepare.untranspose_quantize` takes per-tensor quantizes out of
    the NCHW round trips ``ConvertLayout`` wraps them in; :data:`~.prepare.pad_int8_channels`
    pads the input channels of unpadded int8 convs (RGB images) to 4.
@@ -34,22 +36,25 @@ import tvm
 from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
-from rangeprof.profiler.ir.passes.fold_scale_axis import FoldScaleAxis
-
 from rangeprof.profiler.build.schedules.conv2d import legalize_conv2d, schedule_conv2d
-from rangeprof.profiler.build.schedules.conv2d_int8 import is_int8, legalize_conv2d_int8, schedule_conv2d_int8
+from rangeprof.profiler.build.schedules.conv2d_int8 import (
+    is_int8,
+    legalize_conv2d_int8,
+    schedule_conv2d_int8,
+)
 from rangeprof.profiler.build.schedules.dense import legalize_matmul, schedule_dense
 from rangeprof.profiler.build.schedules.dense_int8 import legalize_matmul_int8, schedule_dense_int8
 from rangeprof.profiler.build.schedules.dot import lower_dot_blocks
 from rangeprof.profiler.build.schedules.elementwise import root_blocks, schedule_generic
 from rangeprof.profiler.build.schedules.pooling import schedule_pooling
-from rangeprof.profiler.build.schedules.prepare import (
-    legalize_training_batch_norm,
-    pad_int8_channels,
-    prepare,
-    untranspose_quantize,
+from rangeprof.profiler.build.schedules.prepare import pad_int8_channels, untranspose_quantize
+from rangeprof.profiler.build.schedules.requantize import (
+    fold_bias,
+    legalize_multiply,
+    legalize_right_shift,
 )
-from rangeprof.profiler.build.schedules.requantize import fold_bias, legalize_multiply, legalize_right_shift
+from rangeprof.profiler.ir.passes.canonicalize import canonicalize
+from rangeprof.profiler.ir.stages import PROFILED, canonical_passes
 
 _LOG = logging.getLogger(__name__)
 _RULES = (
@@ -141,12 +146,9 @@ def relax_pipeline(
     # around it, and only it.
     layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
     passes = [
-        legalize_training_batch_norm,
-        relax.transform.DecomposeOpsForInference(),
-        prepare,
-        *([FoldScaleAxis(), prepare] if fold_scales else []),
+        *canonical_passes(until="fold_scale_axis" if fold_scales else PROFILED),
         relax.transform.ConvertLayout(layouts),
-        prepare,
+        canonicalize,
         untranspose_quantize,
         pad_int8_channels,
         *layout_passes,

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from rangeprof.profiler.build.schedules.elementwise import VECTOR, extent, largest_divisor, root_blocks, schedule_spatial
+from rangeprof.profiler.build.schedules.elementwise import (
+    VECTOR,
+    extent,
+    largest_divisor,
+    root_blocks,
+    schedule_spatial,
+)
 
 _POOLS = ("pool_max", "pool_sum", "adaptive_pool_sum")
 _PAD = "pad_temp"
