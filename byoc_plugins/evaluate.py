@@ -145,7 +145,9 @@ def _first(value) -> tvm.runtime.Tensor:
     return value
 
 
-class _Program:
+class Program:
+    """A lowered and compiled program exposing every region's output (in ``ids`` order)."""
+
     def __init__(self, qm: QuantizedModel, modes: dict[str, str]):
         mod, self.ids = qm.lower(modes, expose=True)
         self.vm = relax.VirtualMachine(qm.plugin.compile(mod), tvm.cpu())
@@ -153,6 +155,12 @@ class _Program:
     def run(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         result = self.vm["main"](*(tvm.runtime.tensor(a) for a in inputs))
         return _first(result[0]).numpy(), [result[i + 1].numpy() for i in range(len(self.ids))]
+
+
+def _bias(region) -> bytes | None:
+    """The region's float bias, as part of a compiled program's key (bias correction moves it)."""
+    bias = region.float_region.bias
+    return None if bias is None else bias.tobytes()
 
 
 def evaluate(
@@ -186,11 +194,11 @@ def evaluate(
     for index, (name, stage_modes) in enumerate(stages):
         key = (name, tuple(sorted(stage_modes.items())))
         if name != "fp32":
-            key += (tuple((r.name, r.input, r.output) for r in qm.regions),)
+            key += (tuple((r.name, r.input, r.output, _bias(r)) for r in qm.regions),)
         if key not in compiled:
             if progress:
                 progress(f"compiling {name}", index, len(stages))
-            compiled[key] = _Program(qm, stage_modes)
+            compiled[key] = Program(qm, stage_modes)
         programs[name] = compiled[key]
     layers = [
         LayerError(

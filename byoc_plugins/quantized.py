@@ -35,6 +35,7 @@ class QuantizedModel:
     partitioned: tvm.IRModule
     regions: list[Region]
     qparams: dict  # the QPARAMS document used
+    bias_correction: dict | None = None  # how the biases were corrected (.bias_correction)
 
     def lower(self, modes: dict[str, str] | None = None, expose: bool = False):
         """The lowered module and the profileIDs of its exposed outputs (:func:`lower`)."""
@@ -62,6 +63,7 @@ class QuantizedModel:
             "target": self.plugin.name,
             "policy": self.plugin.policy.to_json(),
             "calibration": self.qparams.get("options"),
+            **({"bias_correction": self.bias_correction} if self.bias_correction else {}),
             "regions": [self._region_json(r) for r in self.regions],
         }
 

@@ -147,6 +147,31 @@ class Profile:
 
         return QParams(calibrate(self.document, CalibrationOptions(method=method, **options)))
 
+    def export(
+        self,
+        fmt: str,
+        path: str | Path,
+        *,
+        model: Model | str | Path | None = None,
+        evaluation: dict | str | Path | None = None,
+        method: str = "max",
+        **options: Any,
+    ) -> None:
+        """Write the profile in format ``fmt`` to ``path``, as ``rangeprof export`` does: ``aimet``,
+        ``ort``, ``ort-json``, ``tensorrt`` (calibration tables), ``qdq`` (the profiled
+        ``model`` with QuantizeLinear / DequantizeLinear pairs) or ``model-explorer`` (a folder
+        of Model Explorer overlays of the ``model``; SQNR and kept-FP32 figures with an
+        ``evaluation``, a report of ``rangeprof evaluate --json`` or its file). ``method`` and
+        ``options`` as for :meth:`calibrate`."""
+        from rangeprof.profiler.calibrate.methods import CalibrationOptions
+        from rangeprof.workflows import profiling
+
+        calibration = CalibrationOptions(method=method, **options)
+        source = Path(model.path if isinstance(model, Model) else model) if model else None
+        report = None if evaluation is None else profiling.evaluation_report(evaluation)
+        exported = profiling.render_export(self.document, fmt, calibration, source, report)
+        profiling.write_export(Path(path), exported)
+
     def to_json(self) -> str:
         return json.dumps(self.document, indent=1)
 
@@ -162,6 +187,7 @@ def profile(
     batch_size: int | None = None,
     samples: int | None = None,
     seed: int = 0,
+    equalize: bool = False,
     progress: Callable[[int, int | None], None] | None = None,
 ) -> Profile:
     """Run ``data`` through the instrumented FP32 model and record every tensor's statistics.
@@ -170,6 +196,7 @@ def profile(
     ``"random"``), a dict of arrays ``{input: [N, *sample_shape]}`` (one array for a
     single-input model), or an iterable of such dicts or arrays: batches of any size, as a
     PyTorch ``DataLoader`` yields them (tensors convert through ``numpy()``), read once.
+    ``equalize`` profiles the cross-layer equalized model (builds of the profile equalize too).
     ``progress(done, total)`` gets the samples done (``total`` is ``None`` for an iterable of
     unknown length)."""
     from rangeprof.workflows import profiling
@@ -186,6 +213,7 @@ def profile(
         batch_size=batch_size,
         samples=samples,
         seed=seed,
+        equalize=equalize,
     )
     document = profiling.profile(request, progress, arrays=data if held else None)
     return Profile(document)
@@ -237,11 +265,13 @@ def build(
     percentile: float = 99.99,
     weight_bits: int = 8,
     fp32_fallback: bool = False,
+    bias_correction: str | None = None,
     out: str | Path | None = None,
 ) -> Int8Model:
     """Quantize the model with ``ranges`` (a profile, calibrated with the target's policy by
     ``method``, or qparams) and compile it for ``target`` into ``out`` (default: a new
-    temporary folder)."""
+    temporary folder). ``bias_correction``, calibration data (``FILE.npz:KEY``), corrects each
+    layer's INT8 mean shift measured on it."""
     from rangeprof.workflows import quantize
     from rangeprof.workflows.requests import BuildRequest
 
@@ -261,6 +291,7 @@ def build(
         input_shapes=model.input_shapes,
         fp32_fallback=fp32_fallback,
         weight_bits=weight_bits,
+        bias_correction=bias_correction,
     )
     manifest = quantize.build(request)
     return Int8Model(folder, manifest, tuple(model.inputs))

@@ -61,10 +61,30 @@ def _quantized(request: QuantizeRequest, qparams: dict, plugin):
     )
 
 
+def _host(plugin, request: QuantizeRequest, qm, qparams):
+    """``qm``, or the same model for a plugin that runs here when ``plugin`` is cross-compiled:
+    targets with the same policy compute the same integers, so measure where code runs."""
+    from rangeprof.byoc.plugin import get_plugin
+
+    if plugin.runs_here:
+        return qm
+    return _quantized(request, qparams, replace(get_plugin("x86"), policy=plugin.policy))
+
+
+def _bias_corrections(request: QuantizeRequest, measured, progress: Progress | None):
+    """The bias corrections measured on ``measured`` with the request's calibration data, and
+    the record a manifest or report keeps of them."""
+    from rangeprof.byoc.bias_correction import measure
+
+    corrections = measure(measured, request.bias_correction, progress=progress)
+    return corrections, {"data": request.bias_correction, "regions": len(corrections)}
+
+
 def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     """Quantize and compile the model for ``request.target``; write ``model.so`` and
     ``manifest.json`` into ``request.out``; return the manifest."""
     from rangeprof.byoc.artifact import build_artifact
+    from rangeprof.byoc.bias_correction import corrected
     from rangeprof.byoc.evaluate import fit_budget
     from rangeprof.byoc.plugin import get_plugin
 
@@ -73,11 +93,12 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     report("quantizing", 0, 3)
     qparams = _ranges(request)(plugin, request.method)
     qm = _quantized(request, qparams, plugin)
+    measured = _host(plugin, request, qm, qparams)
+    if request.bias_correction is not None:
+        corrections, record = _bias_corrections(request, measured, progress)
+        qm, measured = (corrected(m, corrections, record) for m in (qm, measured))
     kept: frozenset[str] = frozenset()
     if request.accuracy_budget is not None:
-        # Targets with the same policy compute the same integers: measure where code runs.
-        host = plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
-        measured = qm if host is plugin else _quantized(request, qparams, host)
         labels = read_labels(request.labels)
         fitted = fit_budget(
             measured, request.data, request.accuracy_budget, labels, request.samples, progress
@@ -90,13 +111,14 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
 def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict:
     """FP32 against INT8 on the request's data; with ``method="all"`` every calibration method
     of the profile, the best (top-1, else agreement, then SQNR) reported, the others listed."""
+    from rangeprof.byoc.bias_correction import corrected
     from rangeprof.byoc.evaluate import evaluate as run_evaluation
     from rangeprof.byoc.evaluate import fit_budget
     from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.profiler.calibrate.methods import METHODS
+    from rangeprof.profiler.calibrate.methods import CHOICES
 
     plugin = get_plugin(request.target, request.weight_bits)
-    methods = list(METHODS) if request.method == "all" else [request.method]
+    methods = list(CHOICES) if request.method == "all" else [request.method]
     labels = read_labels(request.labels)
     results, qm = [], None
     compiled: dict = {}  # the FP32 program serves every method
@@ -107,6 +129,8 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
             qm = _quantized(request, qparams, plugin)
         else:
             qm = qm.replanned(qparams, request.fp32_fallback)
+        if request.bias_correction is not None:
+            qm = corrected(qm, *_bias_corrections(request, qm, progress))
         if request.accuracy_budget is None:
             result = run_evaluation(
                 qm, request.data, labels, request.samples, progress=progress, compiled=compiled
@@ -129,6 +153,8 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
         "weight_bits": request.weight_bits,
         **best,
     }
+    if request.bias_correction is not None:
+        report["bias_correction"] = {"data": request.bias_correction}
     report["methods"] = [
         {
             "method": name,
