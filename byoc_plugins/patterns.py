@@ -131,7 +131,9 @@ def read_region(func: relax.Function) -> FloatRegion:
     for call in epilogue:
         name = str(call.op.name)
         if name == "relax.add":
-            bias = _constant(call.args[1]).reshape(channels)
+            # add commutes, and the pattern matches it so: the bias is on either side (ONNX
+            # exporters write Add(B, X) as often as Add(X, B)).
+            bias = next(v for v in map(_constant, call.args) if v is not None).reshape(channels)
         elif name == "relax.nn.relu":
             lo = 0.0
         elif name == "relax.maximum":

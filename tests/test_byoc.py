@@ -260,6 +260,28 @@ def test_dense_region_equals_integer_formula(weight_bits, requantize, tmp_path):
     assert ("R.right_shift(" in script) == (requantize == FIXED_POINT)
 
 
+def test_a_bias_added_in_front_is_read_as_the_bias(tmp_path):
+    # ONNX exporters write Add(B, MatMul(x, W)) as often as Add(MatMul(x, W), B) (the shared
+    # tiny BERT does): the pattern matches both, as add commutes, and both give the same region.
+    rng = np.random.default_rng(4)
+    w, b = rng.normal(size=(32, 12)).astype(np.float32), rng.normal(size=12).astype(np.float32)
+    x = rng.normal(size=(4, 32)).astype(np.float32)
+    results = []
+    for order in (["y0", "b"], ["b", "y0"]):
+        nodes = [
+            helper.make_node("MatMul", ["x", "w"], ["y0"], name="fc"),
+            helper.make_node("Add", order, ["y"], name="bias"),
+        ]
+        folder = tmp_path / "_".join(order)
+        folder.mkdir()
+        path = save(single_io_model(nodes, {"w": w, "b": b}, (4, 32), (4, 12)), folder)
+        doc = _doc(path, [_asym(-3.0, 3.0, "input:x"), _asym(-8.0, 8.0, "bias")])
+        qm, got = _run_region(path, doc, x)
+        np.testing.assert_array_equal(qm.regions[0].float_region.bias, b)
+        results.append(got)
+    np.testing.assert_array_equal(results[0], results[1])
+
+
 def test_float_requantization_keeps_fixed_point_where_the_scaled_accumulator_could_overflow(
     tmp_path,
 ):
