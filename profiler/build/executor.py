@@ -11,9 +11,10 @@ slower. The model's own outputs are computed by the same kernels, so they are bi
 uninstrumented build of the same IR (tested).
 
 Statistics are computed inside the program: after ``ConvertLayout``,
-:class:`~rangeprof.profiler.ir.passes.observe_statistics.ObserveStatistics` replaces each returned tensor by
-a compiled statistics kernel over the tensor as the fast kernels lay it out
-(:mod:`rangeprof.profiler.profiling.stats_kernel`), so a run returns kilobytes, not the model's activations.
+:class:`~rangeprof.profiler.ir.passes.observe_statistics.ObserveStatistics` replaces each
+returned tensor by a compiled statistics kernel over the tensor as the fast kernels lay it out
+(:mod:`rangeprof.profiler.profiling.stats_kernel`), so a run returns kilobytes, not the model's
+activations.
 Tensors that depend on no input (weights, weight transforms the frontend emitted) are observed
 once, by a second function of the same program.
 """

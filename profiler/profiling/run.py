@@ -24,6 +24,7 @@ from rangeprof.profiler.build.schedules import host_target
 from rangeprof.profiler.errors import InputShapeError
 from rangeprof.profiler.ir.importer import ImportedModel
 from rangeprof.profiler.ir.onnx_load import LoadedModel, ModelFacts, load_model
+from rangeprof.profiler.ir.passes.equalize import NAME as EQUALIZATION
 from rangeprof.profiler.ir.spans import ids_of
 from rangeprof.profiler.ir.tagging import LayerRecord
 from rangeprof.profiler.ir.tracking import track
@@ -36,7 +37,6 @@ from rangeprof.profiler.profiling.data import (
     open_data,
     sample_batch,
 )
-from rangeprof.profiler.ir.passes.equalize import NAME as EQUALIZATION
 from rangeprof.profiler.profiling.document import build_document
 from rangeprof.profiler.profiling.statistics import DEFAULT_BINS, TensorStats
 from rangeprof.profiler.profiling.stats_kernel import Totals
@@ -50,7 +50,7 @@ class ProfileOptions:
     seed: int = 0
     # inputs fed whole in every run, not batched along dim 0 (see rangeprof.profiler.profiling.data)
     constant_inputs: tuple[str, ...] = ()
-    equalize: bool = False  # profile the cross-layer equalized model (rangeprof.profiler.ir.passes.equalize)
+    equalize: bool = False  # profile the cross-layer equalized model (ir.passes.equalize)
 
     def to_json(self) -> dict:
         doc = asdict(self)

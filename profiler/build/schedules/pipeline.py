@@ -11,8 +11,8 @@ Order of passes, and why:
    profiling build, where every tensor is observed and none folds: it stops at ``PROFILED``.)
 3. ``ConvertLayout`` to NHWC/OHWI: channels innermost, so every conv, pooling and elementwise
    kernel vectorises over channels; ``canonicalize`` folds the transposed weights, and
-   :data:`~rangeprof.profiler.build.schedules.prepare.untranspose_quantize` takes per-tensor quantizes out of
-   the NCHW round trips ``ConvertLayout`` wraps them in; :data:`~.prepare.pad_int8_channels`
+   :data:`~.prepare.untranspose_quantize` takes per-tensor quantizes out of the NCHW round
+   trips ``ConvertLayout`` wraps them in; :data:`~.prepare.pad_int8_channels`
    pads the input channels of unpadded int8 convs (RGB images) to 4.
 4. ``LegalizeOps`` with our conv2d and matmul legalizations (weights repacked in numpy, at build
    time), chosen by dtype: float32 (:mod:`.conv2d`, :mod:`.dense`) or 8-bit activations × int8
