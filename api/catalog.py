@@ -1,6 +1,6 @@
-"""Rows and blobs together: adding a model, a run or an evaluation stores its files and its rows,
-or neither, and so does finishing a build with its artifact; deleting a model removes its rows
-and every blob no row refers to any more.
+"""Rows and blobs together: adding a model, a run, an evaluation or a build stores its files and
+its rows, or neither, and so does finishing a build with its artifact; deleting a model removes
+its rows and every blob no row refers to any more.
 
 A process-wide lock orders blob writes and deletions against the transactions that refer to
 them, so a delete never removes a blob that a concurrent upload of the same bytes is about to
@@ -68,18 +68,18 @@ def add_run(db: Database, store: BlobStore, run: Run, staged: Path | None) -> in
             raise
 
 
-def add_evaluation(
-    db: Database, store: BlobStore, evaluation: Evaluation, staged: dict[str, Path]
+def add_job(
+    db: Database, store: BlobStore, job: Evaluation | Build, staged: dict[str, Path]
 ) -> int:
-    """Queue ``evaluation``; ``staged`` maps the sha256 of each checked .npz it refers to (data,
-    labels) to its file."""
+    """Queue an evaluation or a build; ``staged`` maps the sha256 of each checked .npz it refers
+    to (evaluation data, labels) to its file."""
     with _LOCK:
         created = [sha for sha, path in staged.items() if store.adopt(path, sha, DATA_SUFFIX)]
         try:
             with db.session() as session:
-                session.add(evaluation)
+                session.add(job)
                 session.flush()
-                return evaluation.id
+                return job.id
         except BaseException:
             for sha256 in created:
                 store.remove(sha256, DATA_SUFFIX)
@@ -116,6 +116,8 @@ def delete_model(db: Database, store: BlobStore, owner_id: int, model_id: int) -
             shas = set(session.scalars(select(Run.data_sha256).where(Run.id.in_(runs))))
             for column in (Evaluation.data_sha256, Evaluation.labels_sha256):
                 shas |= set(session.scalars(select(column).where(Evaluation.run_id.in_(runs))))
+            for column in (Build.data_sha256, Build.labels_sha256):
+                shas |= set(session.scalars(select(column).where(Build.model_id == model_id)))
             blobs |= {(sha, DATA_SUFFIX) for sha in shas if sha}
             artifacts = select(Build.artifact_sha256).where(Build.model_id == model_id)
             blobs |= {(sha, ARTIFACT_SUFFIX) for sha in session.scalars(artifacts) if sha}
@@ -133,8 +135,11 @@ def _referenced(session, sha256: str, suffix: str) -> bool:
         return session.scalar(select(exists().where(Model.sha256 == sha256)))
     if suffix == ARTIFACT_SUFFIX:
         return session.scalar(select(exists().where(Build.artifact_sha256 == sha256)))
-    # .npz blobs: calibration data of runs, evaluation data and labels.
-    evaluation = or_(Evaluation.data_sha256 == sha256, Evaluation.labels_sha256 == sha256)
-    return session.scalar(select(exists().where(Run.data_sha256 == sha256))) or session.scalar(
-        select(exists().where(evaluation))
+    # .npz blobs: calibration data of runs, evaluation data and labels (of evaluations, and of
+    # builds with an accuracy budget).
+    uses = (
+        Run.data_sha256 == sha256,
+        or_(Evaluation.data_sha256 == sha256, Evaluation.labels_sha256 == sha256),
+        or_(Build.data_sha256 == sha256, Build.labels_sha256 == sha256),
     )
+    return any(session.scalar(select(exists().where(use))) for use in uses)

@@ -9,7 +9,8 @@ A fresh interpreter costs the imports (about 3 s), small beside a profiling run.
 
 The child runs in a folder that holds the model and the data under their upload names, so the
 document says ``digits_cnn`` and ``calib.npz:calib`` just as a CLI run on those files would.
-It reads its :class:`Job` as one JSON line on stdin and answers with JSON lines on stdout:
+It reads its :class:`Job` as one JSON line on stdin: the job's stored workflow request, which
+it validates and hands to the workflow the CLI runs. It answers with JSON lines on stdout:
 ``{"progress": [done, total]}`` as it goes (evaluations and builds add ``"phase"``: compiling
 which program, or evaluating; quantizing, compiling, packing), then ``{"done": result}`` (the
 profile document, the evaluation report of ``rangeprof evaluate --json``, or the build's
@@ -37,15 +38,11 @@ ARTIFACT = "artifact.zip"  # a build's model.so and manifest.json, in the child'
 @dataclass(frozen=True)
 class Job:
     task: str  # PROFILE, EVALUATE or BUILD
-    model_file: str  # "<name>.onnx", in the child's folder
-    data: str | None  # the --data value, relative to that folder (builds read none)
-    input_shapes: dict[str, list[int]]
-    # PROFILE: ProfileOptions fields. EVALUATE: method, percentile, target, samples, labels
-    # ("FILE.npz:KEY" or None) and profile (the profile document's file). BUILD: target and
-    # either method, percentile and profile, or qparams (a QPARAMS document's file).
-    options: dict
+    # The workflow's request (ProfileRequest, EvaluateRequest or BuildRequest) as the job's row
+    # stores it, model_dump(mode="json"): its paths are names in the child's folder.
+    request: dict
     # PROFILE on a Ray cluster: profile_distributed's address and workers
-    # (rangeprof.service.jobs.ray_setting).
+    # (rangeprof.service.jobs.ray_setting), the worker's setting rather than the job's.
     ray: dict | None = None
 
 
@@ -86,45 +83,22 @@ def _main() -> None:
         answer(done=result)
 
 
-def _shapes(job: Job) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v) for k, v in job.input_shapes.items()}
-
-
 def _profile(job: Job, answer: Callable[..., None]) -> dict:
     """``rangeprof profile``, the same workflow."""
     from rangeprof.workflows import profiling
     from rangeprof.workflows.requests import ProfileRequest
 
-    ray = job.ray or {}
-    request = ProfileRequest(
-        model=Path(job.model_file),
-        data=job.data,
-        input_shapes=_shapes(job),
-        **job.options,
-        ray=ray.get("address"),
-        workers=ray.get("workers"),
-    )
+    ray = {"ray": job.ray["address"], "workers": job.ray["workers"]} if job.ray else {}
+    request = ProfileRequest.model_validate(job.request | ray)
     return profiling.profile(request, lambda done, total: answer(progress=[done, total]))
 
 
 def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
-    """``rangeprof evaluate --profile P --method M --json``, the same workflow."""
+    """``rangeprof evaluate --profile P --json``, the same workflow."""
     from rangeprof.workflows import quantize
     from rangeprof.workflows.requests import EvaluateRequest
 
-    options = job.options
-    request = EvaluateRequest(
-        model=Path(job.model_file),
-        data=job.data,
-        labels=options["labels"],
-        target=options["target"],
-        profile=Path(options["profile"]),
-        method=options["method"],
-        percentile=options["percentile"],
-        input_shapes=_shapes(job),
-        samples=options["samples"],
-        weight_bits=options["weight_bits"],
-    )
+    request = EvaluateRequest.model_validate(job.request)
     return quantize.evaluate(
         request, lambda phase, done, total: answer(progress=[done, total], phase=phase)
     )
@@ -140,19 +114,7 @@ def _build(job: Job, answer: Callable[..., None]) -> dict:
     from rangeprof.workflows import quantize
     from rangeprof.workflows.requests import BuildRequest
 
-    options = job.options
-    qparams = options.get("qparams")
-    request = BuildRequest(
-        model=Path(job.model_file),
-        out=Path("artifact"),
-        target=options["target"],
-        qparams=Path(qparams) if qparams else None,
-        profile=None if qparams else Path(options["profile"]),
-        method=options.get("method") or "max",
-        percentile=options.get("percentile") or 99.99,
-        input_shapes=_shapes(job),
-        weight_bits=options["weight_bits"],
-    )
+    request = BuildRequest.model_validate(job.request)
     start = time.perf_counter()
     phases = {"quantizing": start}
 

@@ -42,7 +42,7 @@ from .limits import DEFAULT_LIMITS
 from .migrate import open_database
 from .models import Build, Evaluation, Model, QParamsSet, Run, utcnow
 from .storage import BlobStore, storage_root
-from .uploads import data_spec
+from .uploads import split_spec
 
 STOPPED = "server stopped while the run was running"
 _WRITE_EVERY_S = 0.5
@@ -232,33 +232,27 @@ class Worker:
             outcome = {"failed": f"internal error: {type(err).__name__}: {err}"}
         self._fail(table, job_id, outcome["failed"])
 
-    def _link_model(self, model: Model, folder: Path) -> str:
-        model_file = f"{model.name}{MODEL_SUFFIX}"
-        (folder / model_file).symlink_to(self.store.path(model.sha256, MODEL_SUFFIX))
-        return model_file
+    def _link_model(self, model: Model, folder: Path, name: Path) -> None:
+        (folder / name).symlink_to(self.store.path(model.sha256, MODEL_SUFFIX))
 
-    def _link_data(self, folder: Path, name: str | None, sha256: str | None) -> None:
+    def _link_data(self, folder: Path, spec: str | None, sha256: str | None) -> None:
+        """Link the stored .npz ``sha256`` under the file name of the data option ``spec``."""
         if sha256:
-            (folder / name).symlink_to(self.store.path(sha256, DATA_SUFFIX))
+            (folder / split_spec(spec)[0]).symlink_to(self.store.path(sha256, DATA_SUFFIX))
+
+    def _link_evaluation_data(self, folder: Path, job: Evaluation | Build) -> None:
+        # Labels first: when data and labels are one file, both links would have its name.
+        self._link_data(folder, job.request.labels, job.labels_sha256)
+        if job.labels_sha256 != job.data_sha256:
+            self._link_data(folder, job.request.data, job.data_sha256)
 
     def _run_job(self, run_id: int, folder: Path) -> execute.Job:
         with self.db.session() as session:
             run = session.get(Run, run_id)
             model = session.get(Model, run.model_id)
-        self._link_data(folder, run.data_name, run.data_sha256)
-        return execute.Job(
-            task=execute.PROFILE,
-            model_file=self._link_model(model, folder),
-            data=data_spec(run.data_name, run.data_key),
-            input_shapes=model.input_shapes,
-            options={
-                "bins": run.bins,
-                "batch_size": run.batch_size,
-                "samples": run.samples,
-                "seed": run.seed,
-            },
-            ray=self.ray,
-        )
+        self._link_model(model, folder, run.request.model)
+        self._link_data(folder, run.request.data, run.data_sha256)
+        return execute.Job(execute.PROFILE, run.request.model_dump(mode="json"), ray=self.ray)
 
     def _eval_job(self, evaluation_id: int, folder: Path) -> execute.Job:
         with self.db.session() as session:
@@ -266,52 +260,26 @@ class Worker:
             run = session.get(Run, evaluation.run_id)
             model = session.get(Model, run.model_id)
             profile = load_profile(session, run)
-        # Labels first: when data and labels are one file, both links would have its name.
-        self._link_data(folder, evaluation.labels_name, evaluation.labels_sha256)
-        if evaluation.data_name != evaluation.labels_name:
-            self._link_data(folder, evaluation.data_name, evaluation.data_sha256)
-        (folder / "profile.json").write_text(json.dumps(profile))
-        labels = evaluation.labels_name and data_spec(evaluation.labels_name, evaluation.labels_key)
-        return execute.Job(
-            task=execute.EVALUATE,
-            model_file=self._link_model(model, folder),
-            data=data_spec(evaluation.data_name, evaluation.data_key),
-            input_shapes=model.input_shapes,
-            options={
-                "method": evaluation.method,
-                "percentile": evaluation.percentile,
-                "target": evaluation.target,
-                "weight_bits": evaluation.weight_bits,
-                "samples": evaluation.samples,
-                "labels": labels,
-                "profile": "profile.json",
-            },
-        )
+        request = evaluation.request
+        self._link_model(model, folder, request.model)
+        self._link_evaluation_data(folder, evaluation)
+        (folder / request.profile).write_text(json.dumps(profile))
+        return execute.Job(execute.EVALUATE, request.model_dump(mode="json"))
 
     def _build_job(self, build_id: int, folder: Path) -> execute.Job:
         with self.db.session() as session:
             build = session.get(Build, build_id)
             model = session.get(Model, build.model_id)
-            options = {"target": build.target, "weight_bits": build.weight_bits}
-            if build.qparams_id is not None:
+            request = build.request
+            if request.qparams is not None:
                 qparams = session.get(QParamsSet, build.qparams_id).document
-                (folder / "qparams.json").write_text(json.dumps(qparams))
-                options["qparams"] = "qparams.json"
+                (folder / request.qparams).write_text(json.dumps(qparams))
             else:
                 profile = load_profile(session, session.get(Run, build.run_id))
-                (folder / "profile.json").write_text(json.dumps(profile))
-                options |= {
-                    "method": build.method,
-                    "percentile": build.percentile,
-                    "profile": "profile.json",
-                }
-        return execute.Job(
-            task=execute.BUILD,
-            model_file=self._link_model(model, folder),
-            data=None,
-            input_shapes=model.input_shapes,
-            options=options,
-        )
+                (folder / request.profile).write_text(json.dumps(profile))
+        self._link_model(model, folder, request.model)
+        self._link_evaluation_data(folder, build)
+        return execute.Job(execute.BUILD, request.model_dump(mode="json"))
 
     def _supervise(self, table: Table, job_id: int, child: subprocess.Popen) -> dict:
         """Relay the child's progress to the job's row until it answers, dies or is stopped."""

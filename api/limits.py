@@ -26,7 +26,8 @@ _MULTIPART_SLACK = 64 * 1024  # boundaries, headers and small form fields around
 _OTHER_BODIES = 1 * MB  # JSON bodies (calibration options)
 _CHUNK = 1 * MB
 _RUNS_PATH = re.compile(r"^/api/models/[^/]+/runs$")
-_EVALUATIONS_PATH = re.compile(r"^/api/runs/[^/]+/evaluations(/report)?$")
+# Evaluation data and labels (or a report); a build's with an accuracy budget.
+_EVALUATIONS_PATH = re.compile(r"^/api/runs/[^/]+/(evaluations(/report)?|builds)$")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class BodyLimit:
             return "the model upload", self.limits.max_model_bytes + _MULTIPART_SLACK
         if _RUNS_PATH.match(path):
             return "the data upload", self.limits.max_data_bytes + _MULTIPART_SLACK
-        if _EVALUATIONS_PATH.match(path):  # data and labels (or a report), each within the limit
+        if _EVALUATIONS_PATH.match(path):  # data and labels, each within the limit
             return "the evaluation upload", 2 * self.limits.max_data_bytes + _MULTIPART_SLACK
         return "the request body", _OTHER_BODIES
 

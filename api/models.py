@@ -4,14 +4,20 @@
 * ``model``: an uploaded ONNX file (its bytes live in the blob store under ``sha256``), the
   input shapes it was loaded with, and the stage reports (lineage) of ``rangeprof inspect``;
   ``layer`` holds its layers (profileIDs) in order.
-* ``run``: one profiling run of a model: status, options, calibration data, progress, timings,
-  error text, and the profile document minus its ``tensors``.
+* ``run``: one profiling run of a model: status, its request (the workflow's, see below),
+  progress, timings, error text, and the profile document minus its ``tensors``.
 * ``tensor_stat``: one row per profileID and run, the document's tensor entry.
 * ``qparams``: quantization-parameter sets derived from a run.
 * ``build``: compiled INT8 artifacts of a run's ranges (``rangeprof build``), executed by the
   worker like a run; the artifact is a .zip blob.
 * ``evaluation``: FP32 vs INT8 error of a run's ranges on data (``rangeprof evaluate``),
   executed by the worker like a run, or uploaded as a ``rangeprof evaluate --json`` report.
+
+A job's options are one column, ``request``: the request of its workflow
+(:mod:`rangeprof.workflows.requests`) exactly as the job process runs it, its paths the names
+of the files in the job's folder (the model, ``calib.npz:calib``, ``profile.json``). It is
+validated when written and when read, so a row never holds options the workflow would refuse.
+Beside it, ``*_sha256`` columns name the stored blobs that the request's data files are.
 
 Timestamps are timezone-aware UTC on every backend.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
+from pydantic import BaseModel
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -36,9 +43,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from rangeprof.workflows.requests import BuildRequest, EvaluateRequest, ProfileRequest
+
 RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 BUILD_STATUSES = RUN_STATUSES
-DATA_KINDS = ("npz", "random")
 # Targets whose INT8 code runs on this host, so their error can be measured here.
 EVALUATION_TARGETS = ("x86", "npu")
 EVALUATION_SOURCES = ("service", "report")
@@ -63,6 +71,28 @@ class UTCDateTime(TypeDecorator):
         if value is None or value.tzinfo is not None:
             return value
         return value.replace(tzinfo=UTC)
+
+
+class JobRequest(TypeDecorator):
+    """A workflow request as JSON (``model_dump(mode="json")``), validated on the way in and
+    read back as ``request_type`` (``model_validate``)."""
+
+    impl = JSON(none_as_null=True)  # no request (an uploaded report) is SQL NULL
+    cache_ok = True
+
+    def __init__(self, request_type: type[ProfileRequest | EvaluateRequest | BuildRequest]):
+        super().__init__()
+        self.request_type = request_type
+
+    def process_bind_param(self, value: BaseModel | dict | None, dialect) -> dict | None:
+        if value is None:
+            return None
+        # The JSON form is what is validated: what is stored is what reads back.
+        document = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        return self.request_type.model_validate(document).model_dump(mode="json")
+
+    def process_result_value(self, value: dict | None, dialect):
+        return None if value is None else self.request_type.model_validate(value)
 
 
 # On SQLite, tables whose ids are in URLs never reuse the id of a deleted row: a stale link then
@@ -141,25 +171,14 @@ class Layer(Base):
 
 class Run(Base):
     __tablename__ = "run"
-    __table_args__ = (
-        CheckConstraint(_in("status", RUN_STATUSES), name="status"),
-        CheckConstraint(_in("data_kind", DATA_KINDS), name="data_kind"),
-        NEVER_REUSED,
-    )
+    __table_args__ = (CheckConstraint(_in("status", RUN_STATUSES), name="status"), NEVER_REUSED)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("model.id", ondelete="CASCADE"), index=True)
     status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
-    # Calibration data: an uploaded .npz (a blob) or generated random samples.
-    data_kind: Mapped[str] = mapped_column(String(16))
-    data_name: Mapped[str | None] = mapped_column(String(255))
-    data_key: Mapped[str | None] = mapped_column(Text)
+    request: Mapped[ProfileRequest] = mapped_column(JobRequest(ProfileRequest))
+    # The uploaded .npz that ``request.data`` names; null for random data.
     data_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
-    # Options of ``rangeprof profile``.
-    bins: Mapped[int]
-    batch_size: Mapped[int | None]
-    samples: Mapped[int | None]
-    seed: Mapped[int]
     # Progress, written by the worker.
     progress: Mapped[float] = mapped_column(Float, default=0.0)
     samples_done: Mapped[int] = mapped_column(default=0)
@@ -217,10 +236,11 @@ class QParamsSet(Base):
 
 
 class Build(Base):
-    """An INT8 build of a model from a run's ranges (``rangeprof build``): with ``method`` and
-    ``percentile`` the target's policy derives the qparams from the run's profile, else the
-    stored ``qparams`` set is used. Executed by the worker like a run; the artifact (model.so
-    and manifest.json, zipped) is a blob at ``artifact_path`` under the store's root."""
+    """An INT8 build of a model from a run's ranges (``rangeprof build``): the request's
+    ``profile`` is the run's profile, calibrated with the target's policy, or its ``qparams``
+    the stored ``qparams`` set. An accuracy budget measures on uploaded evaluation data (and
+    labels). Executed by the worker like a run; the artifact (model.so and manifest.json,
+    zipped) is a blob at ``artifact_path`` under the store's root."""
 
     __tablename__ = "build"
     __table_args__ = (CheckConstraint(_in("status", BUILD_STATUSES), name="status"), NEVER_REUSED)
@@ -229,10 +249,10 @@ class Build(Base):
     model_id: Mapped[int] = mapped_column(ForeignKey("model.id", ondelete="CASCADE"), index=True)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("run.id", ondelete="SET NULL"))
     qparams_id: Mapped[int | None] = mapped_column(ForeignKey("qparams.id", ondelete="SET NULL"))
-    target: Mapped[str] = mapped_column(Text)
-    method: Mapped[str | None] = mapped_column(String(16))  # null: built from ``qparams``
-    percentile: Mapped[float | None] = mapped_column(Float)
-    weight_bits: Mapped[int] = mapped_column(default=8)  # the policy's weights: 7 or 8 bits
+    request: Mapped[BuildRequest] = mapped_column(JobRequest(BuildRequest))
+    # The uploaded .npz files that ``request.data`` and ``request.labels`` name (a budget's).
+    data_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    labels_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
     # Progress, written by the worker: steps done and the one under way.
     progress: Mapped[float] = mapped_column(Float, default=0.0)
@@ -253,9 +273,10 @@ class Build(Base):
 
 class Evaluation(Base):
     """How much INT8 costs with a run's ranges: per-layer isolated and accumulated SQNR on
-    evaluation data. ``source`` is ``service`` (queued, executed by the worker from the stored
-    data and labels blobs) or ``report`` (a ``rangeprof evaluate --json`` report uploaded as
-    is, done on arrival)."""
+    evaluation data. ``source`` is ``service`` (queued with its ``request``, executed by the
+    worker from the stored data and labels blobs) or ``report`` (a ``rangeprof evaluate
+    --json`` report uploaded as is, done on arrival, with no request: the report says what
+    was run)."""
 
     __tablename__ = "evaluation"
     __table_args__ = (
@@ -268,18 +289,10 @@ class Evaluation(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
     source: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
-    # Options of ``rangeprof evaluate``.
-    method: Mapped[str] = mapped_column(String(16))
-    target: Mapped[str] = mapped_column(String(16))
-    weight_bits: Mapped[int] = mapped_column(default=8)  # the policy's weights: 7 or 8 bits
-    percentile: Mapped[float | None] = mapped_column(Float)  # reports do not record it
-    samples: Mapped[int | None]
-    # Evaluation data and optional labels: uploaded .npz files (blobs), null for reports.
-    data_name: Mapped[str | None] = mapped_column(String(255))
-    data_key: Mapped[str | None] = mapped_column(Text)
+    request: Mapped[EvaluateRequest | None] = mapped_column(JobRequest(EvaluateRequest))
+    # The uploaded .npz files that ``request.data`` and ``request.labels`` name (one file when
+    # the labels are an array of the data); null for reports.
     data_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
-    labels_name: Mapped[str | None] = mapped_column(String(255))
-    labels_key: Mapped[str | None] = mapped_column(Text)
     labels_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     # Progress, written by the worker: a share of the work and what is being done.
     progress: Mapped[float] = mapped_column(Float, default=0.0)
@@ -290,7 +303,7 @@ class Evaluation(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     error: Mapped[str | None] = mapped_column(Text)
-    # ``rangeprof evaluate --json`` for this method and target.
+    # ``rangeprof evaluate --json`` of the request.
     report: Mapped[dict[str, Any] | None]
 
     run: Mapped[Run] = relationship()

@@ -8,10 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, Form, status
 from sqlalchemy import select
 
+from rangeprof.workflows.requests import EvaluateRequest
+
 from . import catalog
 from .auth import Owner
 from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
-from .limits import check_run_options, check_unpacked, copy_file
+from .job_requests import PROFILE_FILE, job_request, model_file, npz_ref
+from .limits import check_run_options
 from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
     ENDED,
@@ -20,10 +23,9 @@ from .schemas import (
     EvaluationReport,
     EvaluationRequest,
     EvaluationSummary,
-    NpzRef,
     ObjectId,
 )
-from .uploads import UploadError, check_data, check_labels, data_spec, file_stem
+from .uploads import UploadError, stage_evaluation_data
 
 router = APIRouter(tags=["evaluations"], route_class=RetriedReads)
 _REFUSED = {
@@ -33,12 +35,21 @@ _REFUSED = {
 }
 
 
-def _npz(name: str | None, key: str | None, sha256: str | None) -> NpzRef | None:
-    return None if name is None else NpzRef(name=name, key=key, sha256=sha256)
-
-
 def _summary(evaluation: Evaluation) -> dict:
     report = evaluation.report or {}
+    request = evaluation.request
+    if request is None:  # an uploaded report says what was run
+        options = {
+            "method": report["method"],
+            "target": report["target"],
+            "weight_bits": report.get("weight_bits", 8),
+            "percentile": None,
+            "samples": report["samples"],
+        }
+    else:
+        options = request.model_dump(
+            include={"method", "target", "weight_bits", "percentile", "samples"}
+        )
     return {
         "id": evaluation.id,
         "run_id": evaluation.run_id,
@@ -46,13 +57,9 @@ def _summary(evaluation: Evaluation) -> dict:
         "status": evaluation.status,
         "progress": evaluation.progress,
         "phase": evaluation.phase,
-        "method": evaluation.method,
-        "target": evaluation.target,
-        "weight_bits": evaluation.weight_bits,
-        "percentile": evaluation.percentile,
-        "samples": evaluation.samples,
-        "data": _npz(evaluation.data_name, evaluation.data_key, evaluation.data_sha256),
-        "labels": _npz(evaluation.labels_name, evaluation.labels_key, evaluation.labels_sha256),
+        **options,
+        "data": request and npz_ref(request.data, evaluation.data_sha256),
+        "labels": request and npz_ref(request.labels, evaluation.labels_sha256),
         "created_at": evaluation.created_at,
         "started_at": evaluation.started_at,
         "finished_at": evaluation.finished_at,
@@ -60,6 +67,7 @@ def _summary(evaluation: Evaluation) -> dict:
         "output_sqnr_db": report.get("output_sqnr_db"),
         "agreement": report.get("agreement"),
         "int8_top1": report.get("int8_top1"),
+        "request": request,
     }
 
 
@@ -84,63 +92,50 @@ def create_evaluation(
     run_id: ObjectId,
     form: Annotated[EvaluationRequest, Form(media_type="multipart/form-data")],
 ) -> EvaluationOut:
-    """Queue an evaluation of the run's ranges with ``method`` on ``target``. Data and labels
-    are checked (against the model's inputs; 1-D integer labels, enough of them) before
-    anything is stored; poll ``GET /api/evaluations/{id}``."""
+    """Queue an evaluation of the run's ranges with ``method`` (``all``: every method) on
+    ``target``. Data and labels are checked (against the model's inputs; 1-D integer labels,
+    enough of them) before anything is stored; poll ``GET /api/evaluations/{id}``."""
     with service.db.session() as session:
-        inputs = done_run(session, owner, run_id).model.inputs
+        model = done_run(session, owner, run_id).model
         check_queue(session, owner, service.limits)
-    limits = service.limits
-    limit = limits.max_data_bytes
-    check_run_options(limits, samples=form.samples)
+    check_run_options(service.limits, samples=form.samples)
     with service.store.scratch() as folder:
-        data_name = file_stem(form.data.filename, ".npz") + ".npz"
-        data_sha = copy_file(form.data.file, folder / data_name, "the data file", limit)
-        check_unpacked(folder / data_name, "the data file", limits.max_unpacked_bytes)
-        spec = data_spec(data_name, form.key)
-        count = check_data(
-            folder, spec, inputs, samples=form.samples, seed=0, max_samples=limits.max_samples
+        uploaded = stage_evaluation_data(
+            folder,
+            service.limits,
+            model.inputs,
+            form.data,
+            form.key,
+            form.labels,
+            form.labels_key,
+            form.samples,
         )
-        staged = {data_sha: folder / data_name}
-        labels_name = labels_sha = labels_key = None
-        if form.labels is not None:
-            uploaded = file_stem(form.labels.filename, ".npz") + ".npz"
-            path = folder / "labels" / uploaded  # a folder of its own: the names may be equal
-            path.parent.mkdir()
-            labels_sha = copy_file(form.labels.file, path, "the labels file", limit)
-            check_unpacked(path, "the labels file", limits.max_unpacked_bytes)
-            labels_key = check_labels(path, uploaded, form.labels_key, count)
-            staged.setdefault(labels_sha, path)
-            labels_name = _labels_name(uploaded, labels_sha, data_name, data_sha)
-        elif form.labels_key is not None:
-            labels_key = check_labels(folder / data_name, data_name, form.labels_key, count)
-            labels_name, labels_sha = data_name, data_sha
+        request = job_request(
+            EvaluateRequest,
+            model=model_file(model),
+            target=form.target,
+            profile=PROFILE_FILE,
+            method=form.method,
+            percentile=form.percentile,
+            input_shapes=model.input_shapes,
+            fp32_fallback=form.fp32_fallback,
+            accuracy_budget=form.accuracy_budget,
+            data=uploaded.data,
+            labels=uploaded.labels,
+            samples=form.samples,
+            weight_bits=form.weight_bits,
+        )
         evaluation = Evaluation(
             run_id=run_id,
             source="service",
-            method=form.method,
-            target=form.target,
-            weight_bits=form.weight_bits,
-            percentile=form.percentile,
-            samples=form.samples,
-            data_name=data_name,
-            data_key=form.key,
-            data_sha256=data_sha,
-            labels_name=labels_name,
-            labels_key=labels_key,
-            labels_sha256=labels_sha,
+            request=request,
+            data_sha256=uploaded.data_sha256,
+            labels_sha256=uploaded.labels_sha256,
         )
-        evaluation_id = catalog.add_evaluation(service.db, service.store, evaluation, staged)
+        evaluation_id = catalog.add_job(service.db, service.store, evaluation, uploaded.staged)
     if service.worker is not None:
         service.worker.wake()
     return _get(service, owner, evaluation_id)
-
-
-def _labels_name(uploaded: str, sha256: str, data_name: str, data_sha: str) -> str:
-    """The name the evaluation's process sees the labels under, beside the data."""
-    if sha256 == data_sha:
-        return data_name  # one file for both
-    return f"labels-{uploaded}" if uploaded == data_name else uploaded
 
 
 @router.post(
@@ -169,10 +164,6 @@ def upload_report(
         run_id=run_id,
         source="report",
         status="done",
-        method=report.method,
-        target=report.target,
-        weight_bits=report.weight_bits,
-        samples=report.samples,
         progress=1.0,
         created_at=now,
         finished_at=now,

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
+from fastapi import UploadFile
 
 from rangeprof.profiler.errors import CalibrationDataError, InputShapeError, RangeprofError
 from rangeprof.profiler.profiling.data import RANDOM, InputSpec, open_data
+
+from .limits import Limits, check_unpacked, copy_file
 
 # onnxsim, inside load_model_bytes, is not thread-safe (it sets environment variables), and
 # TVM's pass context is global: one model is loaded and tracked at a time per process.
@@ -73,6 +76,7 @@ def analyse_model(
     """Load and track the uploaded model streamed to ``staged`` (its hash ``sha256``)."""
     # Imported here: TVM takes seconds to import, and a server or worker that receives no
     # upload need not pay for it.
+    from rangeprof.byoc.plugin import get_plugin
     from rangeprof.profiler.ir.onnx_load import load_model_bytes
     from rangeprof.profiler.ir.tracking import track
 
@@ -82,7 +86,8 @@ def analyse_model(
         # No base_dir: external data outside the uploaded file is refused. The bytes are read
         # here, under the lock, so that one model at a time is in memory.
         loaded = load_model_bytes(staged.read_bytes(), f"{name}.onnx", shapes)
-        tracked = track(loaded).to_json()
+        # The stages as ``rangeprof inspect`` shows them, partitioned for the default target.
+        tracked = track(loaded, get_plugin("x86").patterns()).to_json()
     return ModelAnalysis(
         name=name,
         staged=staged,
@@ -104,6 +109,13 @@ def data_spec(filename: str | None, key: str | None) -> str:
     if filename is None:
         return RANDOM
     return f"{filename}:{key}" if key else filename
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """The file and key of a :func:`data_spec` (``FILE.npz:KEY`` -> ``(FILE.npz, KEY)``), as
+    the profiler splits it: the last colon after a name ending in .npz."""
+    head, sep, tail = spec.rpartition(":")
+    return (head, tail) if sep and head.lower().endswith(".npz") else (spec, None)
 
 
 def check_data(
@@ -169,3 +181,61 @@ def check_labels(path: Path, name: str, key: str | None, samples: int) -> str:
     if len(labels) < samples:
         raise UploadError(f"{name}:{key}: {len(labels)} labels for {samples} samples")
     return key
+
+
+@dataclass(frozen=True)
+class EvaluationData:
+    """Evaluation data and optional labels, uploaded and checked (an evaluation's, or an
+    accuracy budget's): their options as the job's folder names them, and the blobs to store."""
+
+    data: str  # FILE.npz[:KEY]
+    labels: str | None  # FILE.npz:KEY
+    data_sha256: str
+    labels_sha256: str | None
+    staged: dict[str, Path]  # sha256 -> the checked file
+
+
+def stage_evaluation_data(
+    folder: Path,
+    limits: Limits,
+    inputs: list[dict],
+    data: UploadFile,
+    key: str | None,
+    labels: UploadFile | None,
+    labels_key: str | None,
+    samples: int | None,
+) -> EvaluationData:
+    """Copy ``data`` (and ``labels``) into the scratch ``folder`` and check them: the data
+    against the model's ``inputs``, the labels (in ``labels``, or without it an array
+    ``labels_key`` of ``data``) 1-D integers, one per sample."""
+    limit = limits.max_data_bytes
+    data_name = file_stem(data.filename, ".npz") + ".npz"
+    data_sha = copy_file(data.file, folder / data_name, "the data file", limit)
+    check_unpacked(folder / data_name, "the data file", limits.max_unpacked_bytes)
+    spec = data_spec(data_name, key)
+    count = check_data(
+        folder, spec, inputs, samples=samples, seed=0, max_samples=limits.max_samples
+    )
+    staged = {data_sha: folder / data_name}
+    if labels is not None:
+        uploaded = file_stem(labels.filename, ".npz") + ".npz"
+        path = folder / "labels" / uploaded  # a folder of its own: the names may be equal
+        path.parent.mkdir()
+        labels_sha = copy_file(labels.file, path, "the labels file", limit)
+        check_unpacked(path, "the labels file", limits.max_unpacked_bytes)
+        labels_key = check_labels(path, uploaded, labels_key, count)
+        staged.setdefault(labels_sha, path)
+        labels_name = _labels_name(uploaded, labels_sha, data_name, data_sha)
+    elif labels_key is not None:
+        labels_key = check_labels(folder / data_name, data_name, labels_key, count)
+        labels_name, labels_sha = data_name, data_sha
+    else:
+        return EvaluationData(spec, None, data_sha, None, staged)
+    return EvaluationData(spec, data_spec(labels_name, labels_key), data_sha, labels_sha, staged)
+
+
+def _labels_name(uploaded: str, sha256: str, data_name: str, data_sha: str) -> str:
+    """The name the job's process sees the labels under, beside the data."""
+    if sha256 == data_sha:
+        return data_name  # one file for both
+    return f"labels-{uploaded}" if uploaded == data_name else uploaded

@@ -19,6 +19,7 @@ from rangeprof.profiler.calibrate.methods import schema as qparams_schema
 from rangeprof.profiler.export.formats import export
 from rangeprof.profiler.profiling.document import tensors_bytes, validate
 from rangeprof.service.limits import Limits
+from rangeprof.workflows.requests import ProfileRequest
 
 import onnx_builders as mb
 from conftest import zoo_model
@@ -95,6 +96,11 @@ def test_profile_equals_the_cli_output(live, digits):
     assert (run["progress"], run["samples_done"], run["samples_total"]) == (1.0, 16, 16)
     assert run["data"]["name"] == "calib.npz" and run["timings"]["total_s"] > 0
     assert run["started_at"] <= run["finished_at"]
+    # The request its process ran, as `rangeprof profile digits_cnn.onnx --data calib.npz`.
+    request = ProfileRequest.model_validate(run["request"])
+    assert request == ProfileRequest(model="digits_cnn.onnx", data="calib.npz")
+    assert request.model_dump(mode="json") == run["request"]
+    assert run["options"] == {"bins": 2048, "batch_size": None, "samples": None, "seed": 0}
     response = live.owner.get(f"/api/runs/{run['id']}/profile")
     assert response.status_code == 200
     served = validate(response.json())

@@ -1,7 +1,9 @@
 """INT8 builds through the REST API (uvicorn on a loopback port, the in-process worker), on SQLite
 and PostgreSQL: a profiled digits_cnn run -> POST a build -> poll -> the zip, whose model.so
 computes what an in-process ``build_artifact`` of the same model and qparams computes; builds
-from stored qparams; refusals that leave nothing behind; deletion with the model."""
+from stored qparams; an accuracy budget measured on uploaded data, which keeps layers FP32 as
+the same request does in process; an evaluation of every method; each job's stored request;
+refusals that leave nothing behind; deletion with the model."""
 
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ from tvm import relax
 from rangeprof.byoc.artifact import build_artifact
 from rangeprof.byoc.plugin import get_plugin
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+from rangeprof.profiler.calibrate.methods import METHODS
 from rangeprof.service.limits import Limits
+from rangeprof.workflows import quantize
+from rangeprof.workflows.requests import BuildRequest, EvaluateRequest
 
 import onnx_builders as mb
 from conftest import zoo_model
@@ -29,6 +34,7 @@ from service_fixtures import (
     BACKENDS,
     DIGITS,
     live_service,
+    npz_bytes,
     row_counts,
     start_run,
     stored_files,
@@ -39,6 +45,9 @@ from service_fixtures import (
 
 # What differs between two builds of the same model and qparams.
 PER_BUILD = ("library_sha256", "timings")
+# Evaluation data for an accuracy budget: digits with their labels, in one .npz.
+_DIGITS = np.load(DIGITS)
+EVALUATION_DATA = npz_bytes(test=_DIGITS["test"][:32], test_labels=_DIGITS["test_labels"][:32])
 
 
 @dataclass
@@ -63,15 +72,27 @@ def digits(live, tmp_path_factory) -> Digits:
     return Digits(model, run)
 
 
-def wait_for_build(api, build_id: int, timeout: float = 120) -> dict:
+def wait_for(api, path: str, timeout: float = 120) -> dict:
+    """The build or evaluation at ``path`` once done."""
     deadline = time.monotonic() + timeout
     while True:
-        build = api.get(f"/api/builds/{build_id}").json()
-        if build["status"] in ("done", "failed"):
-            assert build["status"] == "done", build["error"]
-            return build
-        assert time.monotonic() < deadline, build
+        job = api.get(path).json()
+        if job["status"] in ("done", "failed"):
+            assert job["status"] == "done", job["error"]
+            return job
+        assert time.monotonic() < deadline, job
         time.sleep(0.2)
+
+
+def wait_for_build(api, build_id: int) -> dict:
+    return wait_for(api, f"/api/builds/{build_id}")
+
+
+def stored_request(kind, served: dict):
+    """The job's request as the API shows it, which reads back unchanged."""
+    request = kind.model_validate(served)
+    assert request.model_dump(mode="json") == served
+    return request
 
 
 def unzip(api, build: dict, folder: Path) -> dict:
@@ -105,7 +126,10 @@ def test_x86_build_runs_as_an_in_process_build(live, digits, tmp_path):
     queued = response.json()
     assert queued["status"] in ("queued", "running") and queued["manifest"] is None
     assert (queued["model_id"], queued["method"]) == (digits.model["id"], "mse")
-    assert queued["weight_bits"] == 8
+    assert queued["weight_bits"] == 8 and queued["data"] is None
+    assert stored_request(BuildRequest, queued["request"]) == BuildRequest(
+        model="digits_cnn.onnx", out="artifact", profile="profile.json", method="mse"
+    )
     build = wait_for_build(live.owner, queued["id"])
     assert build["progress"] == 1 and build["phase"] is None
     assert {"quantize_s", "compile_s", "export_s", "total_s"} <= set(build["timings"])
@@ -144,9 +168,96 @@ def test_a_build_from_stored_qparams_uses_them(live, digits, tmp_path):
     assert response.status_code == 202, response.text
     build = wait_for_build(live.owner, response.json()["id"])
     assert (build["qparams_id"], build["method"], build["target"]) == (qparams["id"], None, "npu")
+    request = stored_request(BuildRequest, build["request"])
+    assert (request.qparams, request.profile, request.target) == (Path("qparams.json"), None, "npu")
     assert build["weight_bits"] == 7 and "7-bit" in build["manifest"]["policy"]["weights"]
     assert unzip(live.owner, build, tmp_path)["calibration"] == qparams["document"]["options"]
     assert build["manifest"]["calibration"] == qparams["document"]["options"]
+
+
+def test_an_accuracy_budget_build_keeps_layers_fp32_as_its_request_does(live, digits, tmp_path):
+    """A badly clipped calibration (percentile 50) costs top-1 points: a budget of 0 keeps the
+    most sensitive layers FP32, exactly those the stored request keeps when run in process."""
+    form = {
+        "method": "percentile",
+        "percentile": "50",
+        "accuracy_budget": "0",
+        "fp32_fallback": "true",
+        "key": "test",
+        "labels_key": "test_labels",
+        "samples": "32",
+    }
+    response = live.owner.post(
+        f"/api/runs/{digits.run['id']}/builds",
+        files={"data": ("eval.npz", EVALUATION_DATA)},
+        data=form,
+    )
+    assert response.status_code == 202, response.text
+    queued = response.json()
+    sha256 = hashlib.sha256(EVALUATION_DATA).hexdigest()
+    assert queued["data"] == {"name": "eval.npz", "key": "test", "sha256": sha256}
+    assert queued["labels"] == {"name": "eval.npz", "key": "test_labels", "sha256": sha256}
+    request = stored_request(BuildRequest, queued["request"])
+    assert request == BuildRequest(
+        model="digits_cnn.onnx",
+        out="artifact",
+        profile="profile.json",
+        method="percentile",
+        percentile=50,
+        fp32_fallback=True,
+        accuracy_budget=0,
+        data="eval.npz:test",
+        labels="eval.npz:test_labels",
+        samples=32,
+    )
+    assert (live.storage / sha256[:2] / f"{sha256}.npz").read_bytes() == EVALUATION_DATA
+    build = wait_for_build(live.owner, queued["id"])
+    manifest = unzip(live.owner, build, tmp_path / "served")
+    kept = set(manifest["kept_fp32"])
+    fp32 = {r["output"]["profile_id"] for r in manifest["regions"] if r["mode"] == "fp32"}
+    assert kept and fp32 == kept and len(kept) < len(manifest["regions"])
+
+    # The same request on local copies of its files.
+    (tmp_path / "profile.json").write_text(
+        json.dumps(live.owner.get(f"/api/runs/{digits.run['id']}/profile").json())
+    )
+    (tmp_path / "eval.npz").write_bytes(EVALUATION_DATA)
+    local = request.model_copy(
+        update={
+            "model": zoo_model("digits_cnn"),
+            "profile": tmp_path / "profile.json",
+            "data": f"{tmp_path}/eval.npz:test",
+            "labels": f"{tmp_path}/eval.npz:test_labels",
+            "out": tmp_path / "local",
+        }
+    )
+    same_build(manifest, quantize.build(local))
+
+
+def test_an_evaluation_of_every_method_reports_the_best(live, digits):
+    response = live.owner.post(
+        f"/api/runs/{digits.run['id']}/evaluations",
+        files={"data": ("eval.npz", EVALUATION_DATA)},
+        data={
+            "key": "test",
+            "labels_key": "test_labels",
+            "method": "all",
+            "fp32_fallback": "true",
+            "accuracy_budget": "1.5",
+        },
+    )
+    assert response.status_code == 202, response.text
+    queued = response.json()
+    request = stored_request(EvaluateRequest, queued["request"])
+    assert (request.method, request.fp32_fallback, request.accuracy_budget) == ("all", True, 1.5)
+    assert (request.data, request.labels) == ("eval.npz:test", "eval.npz:test_labels")
+    evaluation = wait_for(live.owner, f"/api/evaluations/{queued['id']}")
+    assert evaluation["method"] == "all" and evaluation["request"] == queued["request"]
+    report = evaluation["report"]
+    assert [m["method"] for m in report["methods"]] == list(METHODS)
+    best = next(m for m in report["methods"] if m["method"] == report["method"])
+    assert best["int8_top1"] == max(m["int8_top1"] for m in report["methods"])
+    assert report["fp32_top1"] - report["int8_top1"] <= 1.5  # within the budget
 
 
 def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_path):
@@ -162,6 +273,14 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_pat
     def post(body: dict, api=live.owner, run=run_id):
         return api.post(f"/api/runs/{run}/builds", json=body)
 
+    def post_form(data: bytes | None = EVALUATION_DATA, labels: bytes | None = None, **form):
+        files = {"data": ("eval.npz", data)} if data is not None else {}
+        if labels is not None:
+            files["labels"] = ("labels.npz", labels)
+        return live.owner.post(f"/api/runs/{run_id}/builds", files=files or None, data=form)
+
+    budget = {"accuracy_budget": "1", "key": "test"}
+
     refusals = [
         (post({"target": "gpu"}), 422, "body target: Input should be 'x86', 'aarch64' or 'npu'"),
         (post({"method": "median"}), 422, "body method"),
@@ -172,6 +291,16 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_pat
         (post({"weight_bits": 6}), 422, "weight_bits"),
         (post({}, run=failed["id"]), 409, f"run {failed['id']} is failed"),
         (post({}, api=live.stranger), 404, f"run {run_id} not found"),
+        (post({"accuracy_budget": 1}), 422, "body accuracy_budget: Extra inputs"),  # needs a form
+        (live.owner.post(f"/api/runs/{run_id}/builds", content=b"{"), 422, "JSON"),
+        (post_form(data=None, accuracy_budget="1"), 400, "'accuracy_budget' needs 'data'"),
+        (post_form(key="test"), 400, "'data' is the evaluation data of an accuracy budget"),
+        (post_form(data=None, labels_key="y"), 400, "'labels_key': these go with 'data'"),
+        (post_form(**{**budget, "accuracy_budget": "-1"}), 422, "body accuracy_budget"),
+        (post_form(**{**budget, "key": "test_labels"}), 400, "eval.npz"),  # labels, not images
+        (post_form(**budget, labels=npz_bytes(y=np.arange(3))), 400, "3 labels for 32 samples"),
+        (post_form(**budget, samples="33"), 400, "33 samples asked for"),
+        (post_form(**budget, qparams_id=str(foreign)), 400, f"has no qparams {foreign}"),
     ]
     for response, code, detail in refusals:
         assert response.status_code == code, response.text
@@ -182,11 +311,17 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_pat
 
 def test_deleting_the_model_deletes_its_builds_and_artifacts(live, digits):
     builds = live.owner.get(f"/api/runs/{digits.run['id']}/builds").json()
-    artifacts = [
+    blobs = [
         live.storage / b["artifact_sha256"][:2] / f"{b['artifact_sha256']}.zip" for b in builds
     ]
-    assert builds and all(path.exists() for path in artifacts)
+    # The accuracy budget's evaluation data, which the evaluation of the same file shares.
+    blobs += {
+        live.storage / b["data"]["sha256"][:2] / f"{b['data']['sha256']}.npz"
+        for b in builds
+        if b["data"]
+    }
+    assert len(blobs) > len(builds) and all(path.exists() for path in blobs)
     assert live.owner.delete(f"/api/models/{digits.model['id']}").status_code == 204
     assert row_counts(live.url)["build"] == 0
-    assert not any(path.exists() for path in artifacts)
+    assert not any(path.exists() for path in blobs)
     assert live.owner.get(f"/api/builds/{builds[0]['id']}").status_code == 404

@@ -2,8 +2,9 @@
 server (uvicorn on a loopback port, SQLite, the in-process worker) holding a real profile of
 digits_cnn and a real evaluation: log in, open every page, click layer -> histogram -> lineage,
 toggle the log scale, build an INT8 artifact from the run page and download it, cancel a queued
-build, check that suggested scales default to the x86 policy, and compare what is drawn with what
-the API returns. Screenshots are written to ``test-results/dashboard/``.
+build, build with FP32 fallback and an accuracy budget, evaluate every method, check that
+suggested scales default to the x86 policy, and compare what is drawn (jobs' requests included)
+with what the API returns. Screenshots are written to ``test-results/dashboard/``.
 
 Also the API the dashboard reads (the paged layer table, evaluations), on SQLite and PostgreSQL,
 with a synthetic 1000-layer model written straight to the database.
@@ -29,6 +30,7 @@ from rangeprof.service.db import Database
 from rangeprof.service.documents import store_profile
 from rangeprof.service.limits import Limits
 from rangeprof.service.models import Layer, Model, Run, Token, utcnow
+from rangeprof.workflows.requests import ProfileRequest
 
 import onnx_builders as mb
 from conftest import zoo_model
@@ -204,7 +206,8 @@ def add_synthetic_model(url: str, owner: str = "owner") -> Synthetic:
             )
             session.add(model)
             session.flush()
-            common = {"model_id": model.id, "data_kind": "random", "bins": 256, "seed": 0}
+            request = ProfileRequest(model="synthetic.onnx", data="random", samples=8, bins=256)
+            common = {"model_id": model.id, "request": request}
             run = Run(**common, status="done", progress=1.0, finished_at=utcnow())
             failed = Run(**common, status="failed", error="no data")
             session.add_all([run, failed])
@@ -841,6 +844,67 @@ def test_run_page_queues_evaluations_and_takes_reports(tab, live, digits, tmp_pa
     tab.shot("run-evaluations")
 
 
+def _evaluation_data(folder: Path) -> Path:
+    """32 digits and their labels, one .npz."""
+    arrays = np.load(DIGITS)
+    path = folder / "eval.npz"
+    np.savez(path, test=arrays["test"][:32], test_labels=arrays["test_labels"][:32])
+    return path
+
+
+def _shown_request(page: Page, where: str) -> dict:
+    """The request a page shows, unfolded."""
+    page.locator(f"{where} details.request summary").click()
+    return json.loads(page.locator(f"{where} details.request pre").text_content())
+
+
+def test_run_page_evaluates_every_method_and_the_page_shows_them(tab, live, digits, tmp_path):
+    page, run_id = tab.page, digits.run["id"]
+    page.goto(f"/dashboard/runs/{run_id}")
+    expect(page.locator("#facts [data-fact=status]")).to_have_text("done")
+    form = page.locator("#evaluate")
+    form.locator("[name=data]").set_input_files(str(_evaluation_data(tmp_path)))
+    form.locator("[name=key]").fill("test")
+    form.locator("[name=labels_key]").fill("test_labels")
+    form.locator("[name=method]").select_option("all")
+    form.locator("[name=fp32_fallback]").check()
+    form.locator("[name=accuracy_budget]").fill("1")
+    before = {e["id"] for e in live.owner.get(f"/api/runs/{run_id}/evaluations").json()}
+    form.locator("button").click()
+    wait_until(
+        lambda: (
+            {e["id"] for e in live.owner.get(f"/api/runs/{run_id}/evaluations").json()} - before
+        ),
+        "the evaluation is queued",
+        timeout=30,
+    )
+    (evaluation_id,) = {
+        e["id"] for e in live.owner.get(f"/api/runs/{run_id}/evaluations").json()
+    } - before
+    evaluation = finished_evaluation(live, evaluation_id)
+    request, report = evaluation["request"], evaluation["report"]
+    assert (request["method"], request["fp32_fallback"], request["accuracy_budget"]) == (
+        "all",
+        True,
+        1,
+    )
+
+    page.goto(f"/dashboard/evaluations/{evaluation_id}")
+    page.wait_for_selector("#sqnr tbody tr")
+    expect(page.locator("#facts [data-fact='method / target']")).to_have_text(
+        f"all (best: {report['method']}) / x86"
+    )
+    expect(page.locator("#facts [data-fact='FP32 fallback']")).to_have_text("yes")
+    expect(page.locator("#facts [data-fact='accuracy budget']")).to_have_text("1 point")
+    rows = table(page, "#methods")
+    assert [row["method"] for row in rows] == [m["method"] for m in report["methods"]]
+    best = page.locator(f"#methods tr[data-method='{report['method']}']")
+    expect(best).to_have_class("best")
+    expect(best.locator("td").first).to_have_text(f"{report['method']} (best)")
+    assert _shown_request(page, "#facts") == request
+    tab.shot("evaluation-every-method")
+
+
 def _builds(live: Live, run_id: int) -> dict[int, dict]:
     return {b["id"]: b for b in live.owner.get(f"/api/runs/{run_id}/builds").json()}
 
@@ -949,6 +1013,50 @@ def test_run_page_builds_an_artifact_and_cancels_a_queued_build(tab, live, digit
     finally:
         for run in busy:
             live.owner.post(f"/api/runs/{run}/cancel")
+
+
+def test_run_page_builds_with_an_accuracy_budget_and_shows_the_request(tab, live, digits, tmp_path):
+    """A badly clipped calibration (percentile 50) and a budget of 0 points: the build keeps
+    its most sensitive layers FP32, and its row says how many and shows its request."""
+    page, run_id = tab.page, digits.run["id"]
+    page.goto(f"/dashboard/runs/{run_id}")
+    expect(page.locator("#facts [data-fact=status]")).to_have_text("done")
+    form = page.locator("#build")
+    data = form.locator("[name=data]")
+    expect(data).to_be_disabled()  # evaluation data goes with a budget
+    form.locator("[name=method]").select_option("percentile")
+    form.locator("[name=percentile]").fill("50")
+    form.locator("[name=fp32_fallback]").check()
+    form.locator("[name=accuracy_budget]").fill("0")
+    expect(data).to_be_enabled()
+    form.locator("button[type=submit]").click()  # no data yet: the API refuses
+    expect(page.locator("#build-error")).to_contain_text("'accuracy_budget' needs 'data'")
+    data.set_input_files(str(_evaluation_data(tmp_path)))
+    form.locator("[name=key]").fill("test")
+    form.locator("[name=labels_key]").fill("test_labels")
+    form.locator("[name=samples]").fill("32")
+    before = set(_builds(live, run_id))
+    form.locator("button[type=submit]").click()
+    build_id = _new_build(live, run_id, before)
+    expect(page.locator("#build-error")).to_be_hidden()
+    request = live.owner.get(f"/api/builds/{build_id}").json()["request"]
+    assert (request["method"], request["percentile"]) == ("percentile", 50)
+    assert (request["fp32_fallback"], request["accuracy_budget"]) == (True, 0)
+    assert (request["data"], request["labels"]) == ("eval.npz:test", "eval.npz:test_labels")
+
+    row = page.locator(f"#builds tr[data-build-id='{build_id}']")
+    expect(row).to_have_attribute("data-status", "done", timeout=300_000)
+    build = live.owner.get(f"/api/builds/{build_id}").json()
+    kept, regions = build["manifest"]["kept_fp32"], build["manifest"]["regions"]
+    assert kept
+    expect(row.locator("[data-column=fp32]")).to_have_text(
+        f"fallback, budget 0 pts: {len(kept)} kept"
+    )
+    expect(row.locator("[data-column=int8-regions]")).to_have_text(
+        f"{len(regions) - len(kept)} of {len(regions)}"
+    )
+    assert _shown_request(page, f"#builds tr[data-build-id='{build_id}']") == request
+    tab.shot("run-build-budget")
 
 
 def test_a_thousand_layer_model_is_paged_by_the_server(tab, live, synthetic):
@@ -1102,6 +1210,8 @@ def test_evaluation_api_refuses_bad_input_and_leaves_nothing_behind(backend_live
         (post(key="x", labels=npz_bytes(a=np.arange(6), b=np.arange(6))), 400, "labels_key"),
         (post(key="x", samples="0"), 422, "samples"),
         (post(key="x", weight_bits="6"), 422, "weight_bits"),
+        (post(key="x", accuracy_budget="-1"), 422, "accuracy_budget"),
+        (post(key="x", fp32_fallback="maybe"), 422, "fp32_fallback"),
         (post(key="x", run=synthetic.failed_run_id), 409, "is failed: no data"),
         (post(key="x", api=live.stranger), 404, f"run {synthetic.run_id} not found"),
         (post(data=b"x" * 250_000, key="x"), 413, "larger than the limit"),

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 from rangeprof.cli import app as cli
 from rangeprof.service.db import Database, make_engine
 from rangeprof.service.migrate import alembic_config, head
-from rangeprof.service.models import Base, Token
+from rangeprof.service.models import Base, Build, Evaluation, Run, Token
+from rangeprof.workflows.requests import BuildRequest, EvaluateRequest, ProfileRequest
 
 from service_fixtures import BACKENDS, database, environment_with, rangeprof, row_counts
 
@@ -49,6 +50,13 @@ def test_upgrade_builds_the_models_schema(empty_db):
             context = MigrationContext.configure(connection, opts={"compare_type": True})
             assert context.get_current_revision() == head()
             assert compare_metadata(context, Base.metadata) == []
+            if connection.dialect.name == "sqlite":  # tables copied since 0008 keep it
+                for table in Base.metadata.sorted_tables:
+                    ddl = connection.exec_driver_sql(
+                        "SELECT sql FROM sqlite_master WHERE name = ?", (table.name,)
+                    ).scalar()
+                    autoincrement = table.dialect_options["sqlite"]["autoincrement"]
+                    assert ("AUTOINCREMENT" in ddl) == autoincrement, table.name
     finally:
         engine.dispose()
     rangeprof("db", "upgrade", "--db", empty_db)  # at head already: nothing to do
@@ -97,27 +105,94 @@ def test_token_is_printed_once_and_stored_as_a_hash(empty_db):
     assert again.exit_code == 2 and "exists already" in again.stderr
 
 
-# One row per table, as the schema of revision 0006 takes it (before the migrations that copy
-# tables on SQLite).
+# Rows as the schema of revision 0006 takes them (before the migrations that copy tables on
+# SQLite, and before 0009 made the options of runs, builds and evaluations their request).
 _ROWS_AT_0006 = {
-    "token": "(id, name, token_hash, created_at) VALUES (1, 'a', 'h', '2026-01-01')",
-    "model": "(id, owner_id, name, sha256, size, opset, input_shapes, inputs, stages, created_at) "
-    "VALUES (1, 1, 'm', 's', 1, 13, '{}', '[]', '[]', '2026-01-01')",
-    "layer": "(model_id, position, profile_id, kind, op, dtype) VALUES (1, 0, 'p', 'k', 'o', 'f')",
-    "run": "(id, model_id, status, data_kind, bins, seed, progress, samples_done, created_at) "
-    "VALUES (1, 1, 'done', 'random', 8, 0, 1.0, 4, '2026-01-01')",
-    "tensor_stat": "(run_id, position, profile_id, kind, op, dtype, static, stats) "
-    "VALUES (1, 0, 'p', 'k', 'o', 'f', false, '{}')",
-    "qparams": "(run_id, options, document, created_at) VALUES (1, '{}', '{}', '2026-01-01')",
-    "build": "(model_id, target, status, created_at, progress, weight_bits) "
-    "VALUES (1, 'x86', 'done', '2026-01-01', 1.0, 8)",
-    "evaluation": "(run_id, source, status, method, target, progress, created_at, weight_bits) "
-    "VALUES (1, 'service', 'done', 'max', 'x86', 1.0, '2026-01-01', 8)",
+    "token": ["(id, name, token_hash, created_at) VALUES (1, 'a', 'h', '2026-01-01')"],
+    "model": [
+        "(id, owner_id, name, sha256, size, opset, input_shapes, inputs, stages, created_at) "
+        """VALUES (1, 1, 'm', 's', 1, 13, '{"x": [1, 4]}', '[]', '[]', '2026-01-01')"""
+    ],
+    "layer": [
+        "(model_id, position, profile_id, kind, op, dtype) VALUES (1, 0, 'p', 'k', 'o', 'f')"
+    ],
+    "run": [
+        "(id, model_id, status, data_kind, data_name, data_key, data_sha256, bins, samples, seed, "
+        "progress, samples_done, created_at) "
+        "VALUES (1, 1, 'done', 'npz', 'calib.npz', 'calib', 'c', 8, 4, 3, 1.0, 4, '2026-01-01')"
+    ],
+    "tensor_stat": [
+        "(run_id, position, profile_id, kind, op, dtype, static, stats) "
+        "VALUES (1, 0, 'p', 'k', 'o', 'f', false, '{}')"
+    ],
+    "qparams": ["(run_id, options, document, created_at) VALUES (1, '{}', '{}', '2026-01-01')"],
+    "build": [
+        "(model_id, run_id, target, method, percentile, weight_bits, status, created_at, progress) "
+        "VALUES (1, 1, 'npu', 'percentile', 99.9, 7, 'done', '2026-01-01', 1.0)"
+    ],
+    "evaluation": [
+        # Computed by the service, its labels an array of its data file.
+        "(run_id, source, status, method, target, percentile, samples, weight_bits, data_name, "
+        "data_key, data_sha256, labels_name, labels_key, labels_sha256, progress, created_at) "
+        "VALUES (1, 'service', 'done', 'mse', 'x86', 99.99, 2, 8, 'eval.npz', 'x', 'e', "
+        "'eval.npz', 'y', 'e', 1.0, '2026-01-01')",
+        # An uploaded report: its options are the report's.
+        "(run_id, source, status, method, target, samples, weight_bits, progress, created_at, "
+        """report) VALUES (1, 'report', 'done', 'max', 'npu', 5, 8, 1.0, '2026-01-01', """
+        """'{"method": "max", "target": "npu", "samples": 5}')""",
+    ],
+}
+# The requests 0009 makes of those rows.
+_REQUESTS_AT_0009 = {
+    Run: ProfileRequest(
+        model="m.onnx",
+        data="calib.npz:calib",
+        input_shapes={"x": (1, 4)},
+        bins=8,
+        samples=4,
+        seed=3,
+    ),
+    Build: BuildRequest(
+        model="m.onnx",
+        out="artifact",
+        target="npu",
+        profile="profile.json",
+        method="percentile",
+        percentile=99.9,
+        input_shapes={"x": (1, 4)},
+        weight_bits=7,
+    ),
+    Evaluation: EvaluateRequest(
+        model="m.onnx",
+        profile="profile.json",
+        method="mse",
+        input_shapes={"x": (1, 4)},
+        data="eval.npz:x",
+        labels="eval.npz:y",
+        samples=2,
+    ),
 }
 
 
+def _rows(url: str) -> dict[str, list[dict]]:
+    """Every row of every table, by id."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return {
+                name: [
+                    dict(row._mapping)
+                    for row in connection.exec_driver_sql(f"SELECT * FROM {name} ORDER BY id")
+                ]
+                for name in Base.metadata.tables
+            }
+    finally:
+        engine.dispose()
+
+
 def test_migrations_keep_every_row_both_ways(empty_db):
-    """Migrations that copy a table (SQLite) must not cascade-delete the rows referring to it."""
+    """Migrations that copy a table (SQLite) must not cascade-delete the rows referring to it;
+    0009 turns the option columns into requests and back."""
     engine = make_engine(empty_db)
     try:
         with engine.connect() as connection:
@@ -126,15 +201,30 @@ def test_migrations_keep_every_row_both_ways(empty_db):
             command.upgrade(config, "0006")
             connection.commit()
         with engine.begin() as connection:
-            for table, values in _ROWS_AT_0006.items():
-                connection.exec_driver_sql(f"INSERT INTO {table} {values}")
+            for table, rows in _ROWS_AT_0006.items():
+                for values in rows:
+                    connection.exec_driver_sql(f"INSERT INTO {table} {values}")
     finally:
         engine.dispose()
-    assert set(row_counts(empty_db).values()) == {1}
+    counts = {table: len(rows) for table, rows in _ROWS_AT_0006.items()}
+    before = _rows(empty_db)
+    assert row_counts(empty_db) == counts
     rangeprof("db", "upgrade", "--db", empty_db)
-    assert set(row_counts(empty_db).values()) == {1}
+    assert row_counts(empty_db) == counts
+    db = Database(empty_db)
+    try:
+        with db.read() as session:  # reading validates each request
+            for table, request in _REQUESTS_AT_0009.items():
+                job = session.scalars(select(table).order_by(table.id)).first()
+                assert job.request == request, table
+            assert session.get(Run, 1).data_sha256 == "c"
+            evaluation, report = session.scalars(select(Evaluation).order_by(Evaluation.id))
+            assert (evaluation.data_sha256, evaluation.labels_sha256) == ("e", "e")
+            assert report.request is None
+    finally:
+        db.dispose()
     command.downgrade(alembic_config(empty_db), "0006")
-    assert set(row_counts(empty_db).values()) == {1}
+    assert _rows(empty_db) == before
 
 
 def test_ids_of_deleted_objects_are_never_reused(empty_db):

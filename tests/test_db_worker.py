@@ -13,6 +13,7 @@ from rangeprof.service.jobs import STOPPED, Worker
 from rangeprof.service.migrate import upgrade
 from rangeprof.service.models import Model, Run, Token, utcnow
 from rangeprof.service.storage import BlobStore
+from rangeprof.workflows.requests import ProfileRequest
 
 from service_fixtures import BACKENDS, database
 
@@ -51,9 +52,7 @@ def _runs(db: Database, *states: tuple[str, str | None, timedelta | None]) -> li
                 status=status,
                 worker=worker,
                 heartbeat_at=None if age is None else now - age,
-                data_kind="random",
-                bins=0,
-                seed=0,
+                request=ProfileRequest(model="m.onnx", data="random", samples=1, bins=0),
             )
             for status, worker, age in states
         ]

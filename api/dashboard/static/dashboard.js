@@ -169,6 +169,17 @@ export function progressBar(fraction, label) {
   );
 }
 
+// A job's request (the workflow's, as its process runs it), folded away until asked for.
+export function requestDetails(request) {
+  if (!request) return "–";
+  return el(
+    "details",
+    { class: "request" },
+    el("summary", {}, "request"),
+    el("pre", { class: "mono" }, JSON.stringify(request, null, 1)),
+  );
+}
+
 export const ACTIVE = ["queued", "running"];
 export const METHODS = ["max", "percentile", "entropy", "mse"];
 

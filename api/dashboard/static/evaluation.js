@@ -1,6 +1,7 @@
-// Quantization error of one evaluation: per-layer isolated / accumulated SQNR, worst first,
-// coloured against two thresholds, and the model drawn as its sequence of compiled bindings
-// (BYOC regions and the FP32 operators between them), each coloured by its layer's error.
+// Quantization error of one evaluation: the request it ran, every method's result (method all),
+// per-layer isolated / accumulated SQNR, worst first, coloured against two thresholds, and the
+// model drawn as its sequence of compiled bindings (BYOC regions and the FP32 operators between
+// them), each coloured by its layer's error.
 import {
   ACTIVE,
   api,
@@ -13,6 +14,7 @@ import {
   pathId,
   poll,
   progressBar,
+  requestDetails,
   SQNR_COLOURS,
   showError,
   sqnrClass,
@@ -44,25 +46,53 @@ function sqnrCell(db, column) {
   return numCell(db, { class: `num sqnr ${sqnrClass(db, good, warn)}`, "data-column": column, title: db === null ? "exact" : undefined });
 }
 
+// The method asked for; with all, the best one the report holds.
+function methodName() {
+  const best = evaluation.report?.method;
+  return evaluation.method === "all" && best ? `all (best: ${best})` : evaluation.method;
+}
+
 function showFacts() {
   const report = evaluation.report ?? {};
+  const request = evaluation.request;
+  const budget = request?.accuracy_budget;
   const facts = [
     ["status", statusBadge(evaluation.status)],
     ["progress", progressBar(evaluation.progress, evaluation.phase ?? undefined)],
     ["run", el("a", { href: `${BASE}/runs/${evaluation.run_id}` }, `run ${evaluation.run_id}`)],
     ["source", evaluation.source === "report" ? "uploaded report" : "computed by the service"],
-    ["method / target", `${evaluation.method} / ${evaluation.target}`],
+    ["method / target", `${methodName()} / ${evaluation.target}`],
     ["weight bits", evaluation.weight_bits],
+    ["FP32 fallback", request ? (request.fp32_fallback ? "yes" : "no") : "–"],
+    ["accuracy budget", budget === null || budget === undefined ? "–" : `${fmt(budget)} point${budget === 1 ? "" : "s"}`],
     ["samples", report.samples ?? evaluation.samples ?? "–"],
     ["output SQNR", report.output_sqnr_db === undefined ? "–" : `${fmt(report.output_sqnr_db)} dB`],
     ["top-1 agreement", report.agreement === undefined ? "–" : `${fmt(report.agreement)} %`],
     ["top-1 FP32 / INT8", report.fp32_top1 === undefined ? "– (no labels)" : `${fmt(report.fp32_top1)} % / ${fmt(report.int8_top1)} %`],
     ["kept FP32", report.kept_fp32?.length ? report.kept_fp32.join(", ") : "–"],
     ["error", evaluation.error ?? "–"],
+    ["request", requestDetails(request)],
   ];
   document.getElementById("facts").replaceChildren(
     ...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", { "data-fact": k }, v)]),
   );
+}
+
+// Method all: each method's result, the reported (best) one marked.
+function showMethods() {
+  const methods = evaluation.report?.methods ?? [];
+  document.getElementById("methods-section").hidden = evaluation.method !== "all";
+  const rows = methods.map((m) =>
+    el(
+      "tr",
+      { "data-method": m.method, class: m.method === evaluation.report.method ? "best" : undefined },
+      el("td", {}, m.method === evaluation.report.method ? `${m.method} (best)` : m.method),
+      numCell(m.output_sqnr_db),
+      numCell(m.agreement),
+      numCell(m.int8_top1),
+    ),
+  );
+  document.querySelector("#methods tbody").replaceChildren(...rows);
 }
 
 function showTable() {
@@ -138,8 +168,10 @@ function showGraph() {
 }
 
 function render() {
+  document.getElementById("title").textContent = `${model.name}: quantization error (${methodName()}, ${evaluation.target})`;
   showFacts();
   if (evaluation.status === "done") {
+    showMethods();
     showTable();
     showGraph();
   }
@@ -156,7 +188,6 @@ async function main() {
     [`run ${run.id}`, `${BASE}/runs/${run.id}`],
     `evaluation ${evaluationId}`,
   );
-  document.getElementById("title").textContent = `${model.name}: quantization error (${evaluation.method}, ${evaluation.target})`;
   render();
   for (const id of ["good", "warn", "graph-metric"]) {
     document.getElementById(id).addEventListener("change", render);

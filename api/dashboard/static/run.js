@@ -1,6 +1,7 @@
 // A profiling run: live progress, downloads (profile, every export format), its INT8 builds
-// (queued here, live progress, cancel, the artifact) and its evaluations (queued here with data
-// and labels, or uploaded as a report).
+// (queued here, with FP32 fallback or an accuracy budget; live progress, cancel, the artifact,
+// the request each runs) and its evaluations (queued here with data and labels, or uploaded as
+// a report).
 import {
   ACTIVE,
   api,
@@ -13,6 +14,7 @@ import {
   pathId,
   poll,
   progressBar,
+  requestDetails,
   showError,
   statusBadge,
   when,
@@ -78,6 +80,30 @@ const manifests = new Map();
 let buildsAsked = 0; // answers out of order must not overwrite a newer table
 let buildsTimer;
 
+// The form's filled-in fields: multipart has no null, so empty ones are left out (FormData
+// already leaves out disabled fields and unticked boxes).
+function filledForm(form) {
+  const data = new FormData(form);
+  for (const [key, value] of [...data.entries()]) {
+    if (value === "" || (value instanceof File && !value.name)) data.delete(key);
+  }
+  return data;
+}
+
+// What stays FP32 besides the regions the plugin cannot quantize: by FP32 fallback, regions
+// without qparams; by an accuracy budget, the most sensitive layers.
+function fp32Cell(build) {
+  const request = build.request;
+  const kept = manifests.get(build.id)?.kept_fp32 ?? [];
+  const parts = [];
+  if (request.fp32_fallback) parts.push("fallback");
+  if (request.accuracy_budget !== null) {
+    const done = manifests.has(build.id) ? `: ${kept.length} kept` : "";
+    parts.push(`budget ${fmt(request.accuracy_budget)} pts${done}`);
+  }
+  return el("td", { "data-column": "fp32", title: kept.join(", ") || undefined }, parts.join(", ") || "–");
+}
+
 function buildSource(build) {
   if (build.qparams_id !== null) return `qparams ${build.qparams_id}`;
   return build.method === "percentile" ? `percentile ${fmt(build.percentile)}` : build.method;
@@ -118,6 +144,7 @@ function buildRow(build) {
     el("td", {}, build.target),
     el("td", {}, buildSource(build)),
     el("td", { class: "num" }, build.weight_bits),
+    fp32Cell(build),
     el(
       "td",
       {},
@@ -134,6 +161,7 @@ function buildRow(build) {
         : "",
     ),
     el("td", { class: "muted" }, build.error ?? ""),
+    el("td", {}, requestDetails(build.request)),
   );
 }
 
@@ -167,29 +195,28 @@ async function loadQParams() {
   );
 }
 
-// Method and percentile derive the qparams; a stored set replaces both.
+// Method and percentile derive the qparams; a stored set replaces both. The evaluation data
+// goes with an accuracy budget.
+const BUDGET_DATA = ["data", "key", "labels", "labels_key", "samples"];
+
 function buildFormChoices() {
   const form = document.getElementById("build");
   const stored = form.elements.qparams_id.value !== "";
   form.elements.method.disabled = stored;
   form.elements.percentile.disabled = stored || form.elements.method.value !== "percentile";
+  const budget = form.elements.accuracy_budget.value !== "";
+  for (const name of BUDGET_DATA) form.elements[name].disabled = !budget;
 }
 
 document.getElementById("build").addEventListener("change", buildFormChoices);
+document.getElementById("build").addEventListener("input", buildFormChoices);
 document.getElementById("build").addEventListener("submit", async (event) => {
   event.preventDefault();
-  const form = event.target.elements;
-  const body = { target: form.target.value, weight_bits: Number(form.weight_bits.value) };
-  if (form.qparams_id.value) {
-    body.qparams_id = Number(form.qparams_id.value);
-  } else {
-    body.method = form.method.value;
-    const percentile = form.percentile.value;
-    if (body.method === "percentile" && percentile !== "") body.percentile = Number(percentile);
-  }
+  // A form (not JSON): an accuracy budget sends its evaluation data along.
+  const form = filledForm(event.target);
   showError(null, "build-error");
   try {
-    await api(`/api/runs/${runId}/builds`, { method: "POST", json: body });
+    await api(`/api/runs/${runId}/builds`, { method: "POST", form });
     await refreshBuilds();
   } catch (err) {
     showError(err, "build-error");
@@ -214,10 +241,7 @@ for (const button of document.querySelectorAll("#downloads button[data-format]")
 
 document.getElementById("evaluate").addEventListener("submit", async (event) => {
   event.preventDefault();
-  const form = new FormData(event.target);
-  for (const [key, value] of [...form.entries()]) {
-    if (value === "" || (value instanceof File && !value.name)) form.delete(key);
-  }
+  const form = filledForm(event.target);
   showError(null, "evaluate-error");
   try {
     await api(`/api/runs/${runId}/evaluations`, { method: "POST", form });
