@@ -18,13 +18,16 @@ from pydantic import BaseModel, ValidationError
 from rangeprof.profiler.errors import RangeprofError
 
 from .catalog import MODEL_SUFFIX
-from .models import Model
+from .models import Model, Run
 from .schemas import NpzRef
 from .uploads import UploadError, split_spec
 
 PROFILE_FILE = "profile.json"  # the run's profile document
 QPARAMS_FILE = "qparams.json"  # a stored qparams set's document
 ARTIFACT_FOLDER = "artifact"  # where a build writes model.so and manifest.json
+# The run's calibration data, for bias correction: a folder of its own, as the evaluation data
+# beside it may have the same upload name.
+CALIBRATION_FOLDER = "calibration"
 
 Request = TypeVar("Request", bound=BaseModel)
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
@@ -50,6 +53,18 @@ def job_request(kind: type[Request], **fields) -> Request:
     except RangeprofError as err:
         fields_named = _FLAG.sub(lambda m: repr(m[1].replace("-", "_")), str(err))
         raise UploadError(fields_named) from None
+
+
+def calibration_spec(run: Run, asked: bool) -> str | None:
+    """The bias correction option of a job on ``run``'s ranges: its calibration data in the
+    job's folder, when ``asked``; a run of random data has none to offer."""
+    if not asked:
+        return None
+    if run.data_sha256 is None:
+        raise UploadError(
+            "'bias_correction' needs the run's calibration data: this run profiled random samples"
+        )
+    return f"{CALIBRATION_FOLDER}/{run.request.data}"
 
 
 def npz_ref(spec: str | None, sha256: str | None) -> NpzRef | None:

@@ -38,6 +38,7 @@ from . import catalog, execute
 from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
 from .db import Database
 from .documents import load_profile, store_profile
+from .job_requests import CALIBRATION_FOLDER
 from .limits import DEFAULT_LIMITS
 from .migrate import open_database
 from .models import Build, Evaluation, Model, QParamsSet, Run, utcnow
@@ -246,6 +247,13 @@ class Worker:
         if job.labels_sha256 != job.data_sha256:
             self._link_data(folder, job.request.data, job.data_sha256)
 
+    def _link_calibration(self, folder: Path, job: Evaluation | Build, run: Run) -> None:
+        """The run's calibration data, where a bias-corrected job's request names it."""
+        spec = job.request.bias_correction
+        if spec is not None:
+            (folder / CALIBRATION_FOLDER).mkdir()
+            self._link_data(folder, spec, run.data_sha256)
+
     def _run_job(self, run_id: int, folder: Path) -> execute.Job:
         with self.db.session() as session:
             run = session.get(Run, run_id)
@@ -263,6 +271,7 @@ class Worker:
         request = evaluation.request
         self._link_model(model, folder, request.model)
         self._link_evaluation_data(folder, evaluation)
+        self._link_calibration(folder, evaluation, run)
         (folder / request.profile).write_text(json.dumps(profile))
         return execute.Job(execute.EVALUATE, request.model_dump(mode="json"))
 
@@ -277,8 +286,11 @@ class Worker:
             else:
                 profile = load_profile(session, session.get(Run, build.run_id))
                 (folder / request.profile).write_text(json.dumps(profile))
+            run = session.get(Run, build.run_id) if build.run_id is not None else None
         self._link_model(model, folder, request.model)
         self._link_evaluation_data(folder, build)
+        if run is not None:
+            self._link_calibration(folder, build, run)
         return execute.Job(execute.BUILD, request.model_dump(mode="json"))
 
     def _supervise(self, table: Table, job_id: int, child: subprocess.Popen) -> dict:

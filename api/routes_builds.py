@@ -20,6 +20,7 @@ from .job_requests import (
     ARTIFACT_FOLDER,
     PROFILE_FILE,
     QPARAMS_FILE,
+    calibration_spec,
     invalid_body,
     job_request,
     model_file,
@@ -136,7 +137,9 @@ def create_build(
     if not derived and body.model_fields_set & {"method", "percentile"}:
         raise UploadError("give qparams_id or method / percentile, not both")
     with service.db.session() as session:
-        model = done_run(session, owner, run_id).model
+        run = done_run(session, owner, run_id)
+        model = run.model
+        calibration = calibration_spec(run, body.bias_correction)
         check_queue(session, owner, service.limits)
         if not derived:
             qparams = session.get(QParamsSet, body.qparams_id)
@@ -170,6 +173,7 @@ def create_build(
             labels=uploaded and uploaded.labels,
             samples=body.samples,
             weight_bits=body.weight_bits,
+            bias_correction=calibration,
         )
         build = Build(
             model_id=model.id,

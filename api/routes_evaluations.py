@@ -13,7 +13,7 @@ from rangeprof.workflows.requests import EvaluateRequest
 from . import catalog
 from .auth import Owner
 from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
-from .job_requests import PROFILE_FILE, job_request, model_file, npz_ref
+from .job_requests import PROFILE_FILE, calibration_spec, job_request, model_file, npz_ref
 from .limits import check_run_options
 from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
@@ -96,7 +96,9 @@ def create_evaluation(
     ``target``. Data and labels are checked (against the model's inputs; 1-D integer labels,
     enough of them) before anything is stored; poll ``GET /api/evaluations/{id}``."""
     with service.db.session() as session:
-        model = done_run(session, owner, run_id).model
+        run = done_run(session, owner, run_id)
+        model = run.model
+        calibration = calibration_spec(run, form.bias_correction)
         check_queue(session, owner, service.limits)
     check_run_options(service.limits, samples=form.samples)
     with service.store.scratch() as folder:
@@ -124,6 +126,7 @@ def create_evaluation(
             labels=uploaded.labels,
             samples=form.samples,
             weight_bits=form.weight_bits,
+            bias_correction=calibration,
         )
         evaluation = Evaluation(
             run_id=run_id,

@@ -13,20 +13,25 @@ from typing import Annotated, Any, Literal
 from fastapi import Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
-from rangeprof.profiler.calibrate.methods import DTYPES, GRANULARITIES, METHODS, SCHEMES
-from rangeprof.profiler.export.formats import FORMATS
+from rangeprof.profiler.calibrate.methods import CHOICES, DTYPES, GRANULARITIES, SCHEMES
+from rangeprof.profiler.export.formats import FORMATS, QDQ
 from rangeprof.profiler.profiling.statistics import DEFAULT_BINS
+from rangeprof.workflows.requests import BuildRequest, EvaluateRequest, ProfileRequest
 
 from .limits import DEFAULT_LIMITS as _MAX
 from .models import BUILD_TARGETS, EVALUATION_TARGETS
 
 RunStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+_REQUEST = (
+    "The job as its process runs it: the workflow's request (rangeprof.workflows), paths named "
+    "as in the job's folder."
+)
 # Choices are enums in the OpenAPI document: the CLI's own tuples.
-Method = Literal[METHODS]
+Method = Literal[CHOICES]
 Scheme = Literal[SCHEMES]
 Dtype = Literal[tuple(DTYPES)]
 Granularity = Literal[GRANULARITIES]
-ExportFormat = Literal[FORMATS]
+ExportFormat = Literal[(*FORMATS, QDQ)]  # qdq: the model is the run's
 BuildTarget = Literal[BUILD_TARGETS]
 EvaluationTarget = Literal[EVALUATION_TARGETS]
 
@@ -150,6 +155,8 @@ class RunRequest(BaseModel):
 
 
 class RunOptions(_Out):
+    """The options of ``rangeprof profile``, from the run's request."""
+
     bins: int
     batch_size: int | None
     samples: int | None
@@ -172,6 +179,7 @@ class RunOut(BaseModel):
     samples_total: int | None
     options: RunOptions
     data: RunData
+    request: ProfileRequest = Field(description=_REQUEST)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -200,6 +208,8 @@ class CalibrationRequest(BaseModel):
 
 
 class ExportQuery(CalibrationRequest):
+    """A calibration table (text), or the run's model with QDQ pairs (``qdq``, binary)."""
+
     format: ExportFormat
 
 
@@ -343,6 +353,17 @@ _WEIGHT_BITS = (
 )
 
 
+_FP32_FALLBACK = "Regions whose tensors have no qparams stay FP32 (else that is an error)."
+_BIAS_CORRECTION = (
+    "Correct each layer's INT8 mean shift, measured on the run's calibration data (runs of an "
+    "uploaded .npz only)."
+)
+_ACCURACY_BUDGET = (
+    "Top-1 points (without labels: points of agreement with FP32) INT8 may lose on the "
+    "evaluation data: the most sensitive layers are kept FP32 until the drop is within it."
+)
+
+
 class EvaluationRequest(BaseModel):
     """multipart/form-data: evaluation data, optional labels and the options of ``rangeprof
     evaluate``."""
@@ -359,13 +380,18 @@ class EvaluationRequest(BaseModel):
     labels_key: str = Field(
         None, description="The labels' array: in `labels`, or without it in `data`."
     )
-    method: Method = "mse"
+    method: Method | Literal["all"] = Field(
+        "mse", description="all: every method, the best reported and each one listed."
+    )
     percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
     target: EvaluationTarget = "x86"
     samples: int = Field(
         None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
     )
     weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
+    fp32_fallback: bool = Field(False, description=_FP32_FALLBACK)
+    accuracy_budget: float = Field(None, ge=0, description=_ACCURACY_BUDGET)
+    bias_correction: bool = Field(False, description=_BIAS_CORRECTION)
 
 
 class EvaluatedLayer(BaseModel):
@@ -411,7 +437,7 @@ class EvaluationSummary(BaseModel):
     status: RunStatus
     progress: float = Field(ge=0, le=1, description="Share of the current phase done.")
     phase: str | None = Field(description="compiling fp32 / int8 / shadow, evaluating.")
-    method: str
+    method: str = Field(description="As asked (all: see the report's method and methods).")
     target: str
     weight_bits: int
     percentile: float | None = Field(description="null for uploaded reports.")
@@ -425,15 +451,20 @@ class EvaluationSummary(BaseModel):
     output_sqnr_db: float | None = Field(description="From the report, once done.")
     agreement: float | None
     int8_top1: float | None
+    request: EvaluateRequest | None = Field(description=f"{_REQUEST} null for uploaded reports.")
 
 
 class EvaluationOut(EvaluationSummary):
     report: dict[str, Any] | None = Field(description="`rangeprof evaluate --json`, once done.")
 
 
-class BuildRequest(BaseModel):
-    """The options of ``rangeprof build``: qparams derived from the run's profile with the
-    target's policy (``method``, ``percentile``), or a stored qparams set of the run."""
+_QPARAMS_ID = "A stored qparams set of the run (`GET /api/runs/{id}/qparams`)."
+
+
+class BuildOptions(BaseModel):
+    """A JSON body: the options of ``rangeprof build``, qparams derived from the run's profile
+    with the target's policy (``method``, ``percentile``), or a stored qparams set of the run.
+    An accuracy budget needs evaluation data: see :class:`BuildUpload`."""
 
     # One source of qparams: a stored set excludes method and percentile (also in the schema).
     model_config = ConfigDict(
@@ -451,16 +482,37 @@ class BuildRequest(BaseModel):
     target: BuildTarget = "x86"
     method: Method = "mse"
     percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
-    qparams_id: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_ID,
-        description="A stored qparams set of the run (`GET /api/runs/{id}/qparams`).",
-    )
+    qparams_id: int | None = Field(None, ge=1, le=MAX_ID, description=_QPARAMS_ID)
     weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
+    fp32_fallback: bool = Field(False, description=_FP32_FALLBACK)
+    bias_correction: bool = Field(False, description=_BIAS_CORRECTION)
 
 
-class BuildSummary(_Out):
+class BuildUpload(BuildOptions):
+    """multipart/form-data: the options of :class:`BuildOptions` and an accuracy budget with
+    the evaluation data it is measured on (and labels), as an evaluation takes them. Optional
+    fields are left out, never null."""
+
+    qparams_id: int = Field(None, ge=1, le=MAX_ID, description=_QPARAMS_ID)  # not null here
+    accuracy_budget: float = Field(None, ge=0, description=f"{_ACCURACY_BUDGET} Needs `data`.")
+    data: UploadFile = Field(
+        None,
+        description="The accuracy budget's evaluation data: .npz, one array per input, "
+        "[N, *sample_shape].",
+    )
+    key: str = Field(None, description="Array(s) of `data` to use, comma-separated in input order.")
+    labels: UploadFile = Field(
+        None, description=".npz holding a 1-D integer array of labels (top-1 accuracy)."
+    )
+    labels_key: str = Field(
+        None, description="The labels' array: in `labels`, or without it in `data`."
+    )
+    samples: int = Field(
+        None, ge=1, le=_MAX.max_samples, description="Use at most this many samples of `data`."
+    )
+
+
+class BuildSummary(BaseModel):
     id: int
     model_id: int
     run_id: int | None
@@ -469,15 +521,21 @@ class BuildSummary(_Out):
     method: str | None = Field(description="null when built from stored qparams.")
     percentile: float | None
     weight_bits: int
+    data: NpzRef | None = Field(description="The accuracy budget's evaluation data.")
+    labels: NpzRef | None
     status: RunStatus
     progress: float = Field(ge=0, le=1, description="Share of the steps done.")
-    phase: str | None = Field(description="quantizing, compiling, packing.")
+    phase: str | None = Field(
+        description="quantizing, compiling, packing (with an accuracy budget, first the "
+        "evaluation's: compiling fp32 / int8 / shadow, evaluating)."
+    )
     artifact_sha256: str | None = Field(description="Of the zip, once done.")
     timings: dict[str, Any] | None
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
     error: str | None = Field(description="Why the build failed.")
+    request: BuildRequest = Field(description=_REQUEST)
 
 
 class BuildOut(BuildSummary):

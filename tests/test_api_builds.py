@@ -260,6 +260,40 @@ def test_an_evaluation_of_every_method_reports_the_best(live, digits):
     assert report["fp32_top1"] - report["int8_top1"] <= 1.5  # within the budget
 
 
+def test_bias_correction_is_measured_on_the_runs_calibration_data(live, digits, tmp_path):
+    path = f"/api/runs/{digits.run['id']}/builds"
+    response = live.owner.post(path, json={"method": "mse", "bias_correction": True})
+    assert response.status_code == 202, response.text
+    calibration = f"calibration/{digits.run['request']['data']}"
+    request = stored_request(BuildRequest, response.json()["request"])
+    assert request.bias_correction == calibration
+    build = wait_for_build(live.owner, response.json()["id"])
+    manifest = unzip(live.owner, build, tmp_path)
+    assert manifest["bias_correction"]["data"] == calibration
+    int8 = [r for r in manifest["regions"] if r["mode"] == "int8"]
+    assert int8 and manifest["bias_correction"]["regions"] == len(int8)
+
+    form = {"method": "max", "bias_correction": "true", "samples": "16"}
+    files = {"data": ("test.npz", EVALUATION_DATA)}
+    response = live.owner.post(
+        f"/api/runs/{digits.run['id']}/evaluations", files=files, data={**form, "key": "test"}
+    )
+    assert response.status_code == 202, response.text
+    evaluation = wait_for(live.owner, f"/api/evaluations/{response.json()['id']}")
+    assert evaluation["report"]["bias_correction"] == {"data": calibration}
+
+    # A run of random samples has no calibration data to measure on: refused, nothing stored.
+    random_run = start_run(live.owner, digits.model["id"], random="8")
+    random_run = wait_for_run(live.owner, random_run["id"])
+    before = row_counts(live.url)
+    response = live.owner.post(
+        f"/api/runs/{random_run['id']}/builds", json={"bias_correction": True}
+    )
+    assert response.status_code == 400
+    assert "bias_correction" in response.json()["detail"]
+    assert row_counts(live.url) == before
+
+
 def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_path):
     gemm = upload_model(live.owner, mb.save(mb.gemm(), tmp_path, "gemm.onnx"), input_shapes="x=2x8")
     failed = wait_for_run(

@@ -64,6 +64,7 @@ function showFacts() {
     ["method / target", `${methodName()} / ${evaluation.target}`],
     ["weight bits", evaluation.weight_bits],
     ["FP32 fallback", request ? (request.fp32_fallback ? "yes" : "no") : "–"],
+    ["bias correction", request?.bias_correction ? "on the run's calibration data" : "–"],
     ["accuracy budget", budget === null || budget === undefined ? "–" : `${fmt(budget)} point${budget === 1 ? "" : "s"}`],
     ["samples", report.samples ?? evaluation.samples ?? "–"],
     ["output SQNR", report.output_sqnr_db === undefined ? "–" : `${fmt(report.output_sqnr_db)} dB`],

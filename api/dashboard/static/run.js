@@ -97,6 +97,7 @@ function fp32Cell(build) {
   const kept = manifests.get(build.id)?.kept_fp32 ?? [];
   const parts = [];
   if (request.fp32_fallback) parts.push("fallback");
+  if (request.bias_correction) parts.push("bias corrected");
   if (request.accuracy_budget !== null) {
     const done = manifests.has(build.id) ? `: ${kept.length} kept` : "";
     parts.push(`budget ${fmt(request.accuracy_budget)} pts${done}`);
