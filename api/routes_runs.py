@@ -5,18 +5,20 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Form, HTTPException, Query, status
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sqlalchemy import select
 
 from rangeprof.profiler.calibrate.methods import CalibrationOptions, calibrate
-from rangeprof.profiler.export.formats import export
+from rangeprof.profiler.export.formats import QDQ, export
 from rangeprof.profiler.profiling.data import RANDOM
+from rangeprof.workflows.requests import ProfileRequest
 
 from . import catalog
 from .auth import Owner
 from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, own_model, own_run
 from .documents import load_profile, tensor_rows
 from .drift import tensor_drift
+from .job_requests import job_request, model_file
 from .limits import check_run_options, check_unpacked, copy_file
 from .models import QParamsSet, Run
 from .schemas import (
@@ -33,7 +35,7 @@ from .schemas import (
     RunOut,
     RunRequest,
 )
-from .uploads import UploadError, check_data, data_spec, file_stem
+from .uploads import UploadError, check_data, data_spec, file_stem, split_spec
 
 router = APIRouter(tags=["runs"], route_class=RetriedReads)
 _CONFLICT = {409: {"model": ErrorOut, "description": "The run is not done."}}
@@ -41,6 +43,8 @@ _JSON_FORMATS = ("aimet", "ort-json")
 
 
 def run_out(run: Run) -> RunOut:
+    request = run.request
+    name, key = (None, None) if request.data == RANDOM else split_spec(request.data)
     return RunOut(
         id=run.id,
         model_id=run.model_id,
@@ -48,10 +52,11 @@ def run_out(run: Run) -> RunOut:
         progress=run.progress,
         samples_done=run.samples_done,
         samples_total=run.samples_total,
-        options=RunOptions.model_validate(run),
+        options=RunOptions.model_validate(request),
         data=RunData(
-            kind=run.data_kind, name=run.data_name, key=run.data_key, sha256=run.data_sha256
+            kind="random" if name is None else "npz", name=name, key=key, sha256=run.data_sha256
         ),
+        request=request,
         created_at=run.created_at,
         started_at=run.started_at,
         finished_at=run.finished_at,
@@ -84,7 +89,7 @@ def create_run(
     """Queue a profiling run. The data is checked against the model's inputs (names, shapes,
     dtypes, no pickles) and read through before the run is stored; poll ``GET /api/runs/{id}``."""
     with service.db.session() as session:
-        inputs = own_model(session, owner, model_id).inputs
+        model = own_model(session, owner, model_id)
         check_queue(session, owner, service.limits)
     _check_source(form)
     limits = service.limits
@@ -99,19 +104,24 @@ def create_run(
             check_unpacked(staged, "the data file", limits.max_unpacked_bytes)
         spec = data_spec(name, form.key)
         check_data(
-            folder, spec, inputs, samples=samples, seed=form.seed, max_samples=limits.max_samples
+            folder,
+            spec,
+            model.inputs,
+            samples=samples,
+            seed=form.seed,
+            max_samples=limits.max_samples,
         )
-        run = Run(
-            model_id=model_id,
-            data_kind="random" if spec == RANDOM else "npz",
-            data_name=name,
-            data_key=form.key,
-            data_sha256=sha256,
+        request = job_request(
+            ProfileRequest,
+            model=model_file(model),
+            data=spec,
+            input_shapes=model.input_shapes,
             bins=form.bins,
             batch_size=form.batch_size,
             samples=samples,
             seed=form.seed,
         )
+        run = Run(model_id=model_id, request=request, data_sha256=sha256)
         run_id = catalog.add_run(service.db, service.store, run, staged)
     if service.worker is not None:
         service.worker.wake()
@@ -162,15 +172,35 @@ def _calibration(options: CalibrationRequest) -> CalibrationOptions:
 @router.get(
     "/api/runs/{run_id}/export",
     response_class=PlainTextResponse,
-    responses={400: {"model": ErrorOut}, **_CONFLICT},
+    responses={
+        200: {"content": {"application/octet-stream": {}, "application/json": {}}},
+        400: {"model": ErrorOut},
+        **_CONFLICT,
+    },
 )
 def export_run(
     service: ServiceDep, owner: Owner, run_id: ObjectId, query: Annotated[ExportQuery, Query()]
-) -> PlainTextResponse:
-    """The run's ranges in another tool's format, as ``rangeprof export`` writes them."""
+) -> Response:
+    """The run's ranges in another tool's format, as ``rangeprof export`` writes them; ``qdq``:
+    the run's model with QuantizeLinear / DequantizeLinear pairs (``application/octet-stream``)."""
     options = _calibration(query)
     with service.db.read() as session:
-        doc = load_profile(session, done_run(session, owner, run_id))
+        run = done_run(session, owner, run_id)
+        doc = load_profile(session, run)
+        model_sha256 = run.model.sha256
+    if query.format == QDQ:
+        import onnx
+
+        from rangeprof.profiler.export.qdq_model import qdq_model
+
+        data = service.store.path(model_sha256, catalog.MODEL_SUFFIX).read_bytes()
+        exported = qdq_model(onnx.load_model_from_string(data), doc, options)
+        name = f"{doc['model']['name']}.run{run_id}.int8.onnx"
+        return Response(
+            exported.SerializeToString(),
+            media_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{name}"'},
+        )
     media = "application/json" if query.format in _JSON_FORMATS else "text/plain"
     return PlainTextResponse(export(doc, query.format, options), media_type=media)
 

@@ -32,6 +32,13 @@ InputShapes = Annotated[
         help="Static shape of an input, NAME=DIMS (e.g. x=1x3x48x192); repeatable.",
     ),
 ]
+Equalize = Annotated[
+    bool,
+    typer.Option(
+        "--equalize",
+        help="Cross-layer equalization first (conv/dense pairs; builds of the profile repeat it).",
+    ),
+]
 
 
 def _fail(err: RangeprofError) -> typer.Exit:
@@ -99,13 +106,21 @@ def _needs_service() -> None:
 def inspect(
     model: Annotated[Path, typer.Argument(help="ONNX model file.")],
     input_shape: InputShapes = None,
+    target: Annotated[str, typer.Option(help="Whose partition: x86 | aarch64 | npu")] = "x86",
+    equalize: Equalize = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show the model's layers with their profileIDs and the lineage after every stage."""
     from rangeprof.workflows import profiling
 
     try:
-        request = _request("InspectRequest", model=model, input_shapes=_shapes(input_shape))
+        request = _request(
+            "InspectRequest",
+            model=model,
+            input_shapes=_shapes(input_shape),
+            target=target,
+            equalize=equalize,
+        )
         with _err.status("importing and tracking stages...", spinner="dots"):
             doc = profiling.inspect(request)
     except RangeprofError as err:
@@ -190,6 +205,7 @@ def profile(
         int | None,
         typer.Option(min=1, help="Shards of the data (with --ray; default 4 per worker)."),
     ] = None,
+    equalize: Equalize = False,
 ) -> None:
     """Run calibration data through the instrumented FP32 model and write the profile."""
     from rangeprof.workflows import profiling
@@ -210,6 +226,7 @@ def profile(
             ray=ray,
             workers=workers,
             shards=shards,
+            equalize=equalize,
         )
         with _progress() as advance:
             doc = profiling.profile(request, lambda done, total: advance("profiling", done, total))
@@ -224,7 +241,7 @@ def profile(
     )
 
 
-Method = Annotated[str, typer.Option(help="max | percentile | entropy | mse")]
+Method = Annotated[str, typer.Option(help="max | percentile | entropy | mse | best (per tensor)")]
 Percentile = Annotated[float, typer.Option(help="Percentile for --method percentile.")]
 Scheme = Annotated[str, typer.Option(help="sym | asym")]
 Dtype = Annotated[str, typer.Option(help="int8 | uint8 | int16")]
@@ -291,16 +308,37 @@ def import_qparams(
 @app.command()
 def export(
     profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
-    fmt: Annotated[str, typer.Option("--format", help="aimet | ort | ort-json | tensorrt")],
-    out: Annotated[Path, typer.Option(help="Where to write the export.")],
+    fmt: Annotated[
+        str,
+        typer.Option("--format", help="aimet | ort | ort-json | tensorrt | qdq | model-explorer"),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Where to write the export (model-explorer: a folder, a JSON file per figure)."
+        ),
+    ],
     method: Method = "max",
     percentile: Percentile = 99.99,
     scheme: Scheme = "sym",
     dtype: Dtype = "int8",
     granularity: Granularity = "per-tensor",
     power_of_two: PowerOfTwo = False,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="The profiled ONNX model (qdq, model-explorer)."),
+    ] = None,
+    evaluation: Annotated[
+        Path | None,
+        typer.Option(
+            help="The JSON of `rangeprof evaluate --json` on this profile: the SQNR and kept-FP32 "
+            "figures of model-explorer."
+        ),
+    ] = None,
 ) -> None:
-    """Write the profile's ranges in another tool's format."""
+    """Write the profile's ranges in another tool's format: a calibration table, a QDQ ONNX
+    model (qdq: activations as scheme and dtype say, weights symmetric int8), or Model Explorer
+    node-data overlays (model-explorer)."""
     from rangeprof.workflows import profiling
 
     try:
@@ -315,11 +353,12 @@ def export(
             dtype=dtype,
             granularity=granularity,
             power_of_two=power_of_two,
+            model=model,
+            evaluation=evaluation,
         )
-        text = profiling.export(request)
+        profiling.write_export(out, profiling.export(request))
     except RangeprofError as err:
         raise _fail(err) from None
-    _write(out, text)
     _err.print(f"{fmt} export -> {out}", highlight=False)
 
 
@@ -383,6 +422,14 @@ Fallback = Annotated[
 EvalData = Annotated[str | None, typer.Option(help="Evaluation data, FILE.npz:KEY.")]
 Labels = Annotated[str | None, typer.Option(help="Labels for top-1, FILE.npz:KEY.")]
 Samples = Annotated[int | None, typer.Option(help="Use at most this many samples.")]
+BiasCorrection = Annotated[
+    str | None,
+    typer.Option(
+        metavar="FILE.npz:KEY",
+        help="Calibration data: measure each layer's INT8 mean shift on it and fold it into "
+        "the layer's bias (runs the data through FP32 and INT8 once).",
+    ),
+]
 WeightBits = Annotated[
     int,
     typer.Option(
@@ -408,6 +455,7 @@ def build(
     labels: Labels = None,
     samples: Samples = None,
     weight_bits: WeightBits = 8,
+    bias_correction: BiasCorrection = None,
 ) -> None:
     """Compile the model with INT8 regions for a target into a deployable artifact."""
     from rangeprof.workflows import quantize
@@ -429,6 +477,7 @@ def build(
             labels=labels,
             samples=samples,
             weight_bits=weight_bits,
+            bias_correction=bias_correction,
         )
         with _progress() as advance:
             manifest = quantize.build(request, advance)
@@ -528,6 +577,7 @@ def evaluate(
     accuracy_budget: Budget = None,
     samples: Samples = None,
     weight_bits: WeightBits = 8,
+    bias_correction: BiasCorrection = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """FP32 vs INT8: top-1, agreement, output SQNR and per-layer error by profileID."""
@@ -549,6 +599,7 @@ def evaluate(
             accuracy_budget=accuracy_budget,
             samples=samples,
             weight_bits=weight_bits,
+            bias_correction=bias_correction,
         )
         with _progress() as advance:
             report = quantize.evaluate(request, advance)

@@ -27,6 +27,11 @@ that no ONNX tool can name.
 
 ORT and TensorRT calibrate activations only (they quantize weights from the weights
 themselves), so their formats hold inputs and activations, each with one per-tensor range.
+
+Two formats are written from the profiled ONNX model as well (:data:`MODEL_FORMATS`): ``qdq``, the
+model with QuantizeLinear / DequantizeLinear pairs (:mod:`.qdq_model`), and ``model-explorer``,
+node-data overlays for Google Model Explorer (:mod:`.model_explorer`), which alone reads an
+evaluation report.
 """
 
 from __future__ import annotations
@@ -43,13 +48,17 @@ from rangeprof.profiler.errors import RangeprofError
 
 AIMET_VERSION = "2.0.0"
 TENSORRT_HEADER = "TRT-8601-EntropyCalibration2"
+QDQ, MODEL_EXPLORER = "qdq", "model-explorer"
+MODEL_FORMATS = (QDQ, MODEL_EXPLORER)
 
 
 def export(profile: dict, fmt: str, options: CalibrationOptions) -> str:
     """The file content of ``profile``'s quantization parameters in format ``fmt``."""
     writer = _WRITERS.get(fmt)
     if writer is None:
-        raise RangeprofError(f"unknown export format {fmt!r}; expected one of {', '.join(FORMATS)}")
+        check_inputs(fmt, None, None)
+        choices = ", ".join((*FORMATS, *MODEL_FORMATS))
+        raise RangeprofError(f"unknown export format {fmt!r}; expected one of {choices}")
     if fmt == "tensorrt" and (options.scheme, options.dtype) != ("sym", "int8"):
         raise RangeprofError(
             "TensorRT calibration caches hold symmetric int8 scales: use scheme 'sym' and dtype "
@@ -59,6 +68,15 @@ def export(profile: dict, fmt: str, options: CalibrationOptions) -> str:
         options = replace(options, granularity="per-tensor")
     params = [qparams_for(e, options) for e in profile["tensors"] if e["source_tensor"]]
     return writer(params)
+
+
+def check_inputs(fmt: str, model: object | None, evaluation: object | None) -> None:
+    """What ``fmt`` reads besides the profile: ``qdq`` and ``model-explorer`` the profiled ONNX
+    model; only ``model-explorer`` an evaluation report."""
+    if fmt in MODEL_FORMATS and model is None:
+        raise RangeprofError(f"the {fmt} export needs the profiled ONNX model (--model)")
+    if evaluation is not None and fmt != MODEL_EXPLORER:
+        raise RangeprofError(f"an evaluation report (--evaluation) goes with {MODEL_EXPLORER}")
 
 
 def _aimet(params: list[QParams]) -> str:

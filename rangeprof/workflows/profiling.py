@@ -4,11 +4,22 @@ and export it."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rangeprof.profiler.errors import RangeprofError
 
 from .requests import CalibrateRequest, ExportRequest, InspectRequest, ProfileRequest
 
+if TYPE_CHECKING:
+    from rangeprof.profiler.calibrate.methods import CalibrationOptions
+
 Progress = Callable[[int, int | None], None]  # (samples done, samples in all if known)
+# An export: a text file, a binary file (qdq), or files by name (model-explorer).
+Exported = str | bytes | dict[str, str]
 
 
 def inspect(request: InspectRequest) -> dict:
@@ -60,7 +71,8 @@ def profile(request: ProfileRequest, progress: Progress | None = None, arrays=No
 def _options(request: CalibrateRequest):
     from rangeprof.profiler.calibrate.methods import CalibrationOptions
 
-    return CalibrationOptions(**request.model_dump(exclude={"profile", "format"}))
+    fields = {"profile", "format", "model", "evaluation"}  # what is not a calibration option
+    return CalibrationOptions(**request.model_dump(exclude=fields))
 
 
 def calibrate(request: CalibrateRequest) -> dict:
@@ -72,10 +84,90 @@ def calibrate(request: CalibrateRequest) -> dict:
     return derive(load_profile(request.profile), options)
 
 
-def export(request: ExportRequest) -> str:
-    """The profile's ranges as the file ``request.format`` names."""
-    from rangeprof.profiler.export.formats import export as render
+def export(request: ExportRequest) -> Exported:
+    """The request's profile in its format (:func:`render_export`)."""
     from rangeprof.profiler.profiling.document import load_profile
 
-    options = _options(request)
-    return render(load_profile(request.profile), request.format, options)
+    evaluation = None if request.evaluation is None else evaluation_report(request.evaluation)
+    profile = load_profile(request.profile)
+    return render_export(profile, request.format, _options(request), request.model, evaluation)
+
+
+def render_export(
+    profile: dict,
+    fmt: str,
+    options: CalibrationOptions,
+    model: Path | None = None,
+    evaluation: dict | None = None,
+) -> Exported:
+    """``profile`` in format ``fmt``: a calibration table's text, the QDQ model's bytes (``qdq``),
+    or ``{file name: JSON text}`` with one Model Explorer overlay per figure
+    (``model-explorer``). ``model`` is the profiled ONNX file, ``evaluation`` a report of
+    ``rangeprof evaluate --json`` (:func:`evaluation_report`)."""
+    from rangeprof.profiler.export import formats
+
+    formats.check_inputs(fmt, model, evaluation)
+    if fmt not in formats.MODEL_FORMATS:
+        return formats.export(profile, fmt, options)
+    onnx_model = _profiled_model(model, profile)
+    if fmt == formats.QDQ:
+        from rangeprof.profiler.export.qdq_model import qdq_model
+
+        return qdq_model(onnx_model, profile, options).SerializeToString()
+    from rangeprof.profiler.export.model_explorer import node_data
+
+    figures = node_data(onnx_model, profile, evaluation)
+    return {f"{name}.json": json.dumps(doc, indent=1) + "\n" for name, doc in figures.items()}
+
+
+def _profiled_model(path: Path, profile: dict):
+    """The ONNX model in ``path``, which must be the profiled file (its sha256)."""
+    import onnx
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise RangeprofError(f"{path}: {err.strerror}") from None
+    sha, expected = hashlib.sha256(data).hexdigest(), profile["model"]["sha256"]
+    if sha != expected:
+        raise RangeprofError(
+            f"{path} is not the profiled model {profile['model']['name']!r} "
+            f"(sha256 {sha[:12]}…, the profile's {expected[:12]}…)"
+        )
+    return onnx.load_model_from_string(data)
+
+
+def evaluation_report(source: Path | dict) -> dict:
+    """The report of ``rangeprof evaluate --json`` in file ``source`` (or already read), with
+    the per-layer fields the exports read."""
+    doc = source
+    if not isinstance(source, dict):
+        try:
+            doc = json.loads(Path(source).read_text())
+        except OSError as err:
+            raise RangeprofError(f"{source}: {err.strerror}") from None
+        except ValueError as err:
+            raise RangeprofError(f"{source}: not JSON ({err})") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    fields = {"profile_id", "mode", "isolated_sqnr_db", "accumulated_sqnr_db"}
+    if not isinstance(layers, list) or not all(
+        isinstance(layer, dict) and fields <= set(layer) for layer in layers
+    ):
+        where = "the evaluation" if isinstance(source, dict) else str(source)
+        raise RangeprofError(f"{where}: not the JSON of `rangeprof evaluate --json`")
+    return doc
+
+
+def write_export(out: Path, exported: Exported) -> None:
+    """Write an export to ``out``: a file, or for ``model-explorer`` a folder of files."""
+    try:
+        if isinstance(exported, dict):
+            out.mkdir(exist_ok=True)
+            for name, text in exported.items():
+                (out / name).write_text(text)
+        elif isinstance(exported, bytes):
+            out.write_bytes(exported)
+        else:
+            out.write_text(exported)
+    except OSError as err:
+        raise RangeprofError(f"{out}: cannot write: {err.strerror}") from None

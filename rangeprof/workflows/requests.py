@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rangeprof.profiler.errors import RangeprofError
 
 Target = Literal["x86", "aarch64", "npu"]
-Method = Literal["max", "percentile", "entropy", "mse"]
+Method = Literal["max", "percentile", "entropy", "mse", "best"]
 Shapes = dict[str, tuple[int, ...]]
 
 
@@ -25,6 +25,8 @@ class InspectRequest(_Request):
 
     model: Path
     input_shapes: Shapes = {}
+    target: Target = Field("x86", description="Whose partition the last stage shows.")
+    equalize: bool = Field(False, description="Cross-layer equalization first.")
 
 
 class ProfileRequest(_Request):
@@ -42,6 +44,7 @@ class ProfileRequest(_Request):
     ray: str | None = Field(None, description="A Ray cluster's address, or local.")
     workers: int | None = Field(None, ge=1)
     shards: int | None = Field(None, ge=1)
+    equalize: bool = Field(False, description="Profile the cross-layer equalized model.")
 
     @model_validator(mode="after")
     def _ray_options(self):
@@ -64,9 +67,21 @@ class CalibrateRequest(_Request):
 
 
 class ExportRequest(CalibrateRequest):
-    """``rangeprof export``: the profile's ranges in another tool's format."""
+    """``rangeprof export``: the profile's ranges in another tool's format; ``qdq`` and
+    ``model-explorer`` read the profiled model too, ``model-explorer`` an evaluation report."""
 
     format: str
+    model: Path | None = Field(None, description="The profiled ONNX model (qdq, model-explorer).")
+    evaluation: Path | None = Field(
+        None, description="A `rangeprof evaluate --json` report (model-explorer)."
+    )
+
+    @model_validator(mode="after")
+    def _inputs(self):
+        from rangeprof.profiler.export.formats import check_inputs
+
+        check_inputs(self.format, self.model, self.evaluation)
+        return self
 
 
 class QuantizeRequest(_Request):
@@ -88,6 +103,11 @@ class QuantizeRequest(_Request):
     labels: str | None = Field(None, description="Labels for top-1, FILE.npz:KEY.")
     samples: int | None = Field(None, ge=1)
     weight_bits: Literal[7, 8] = 8
+    bias_correction: str | None = Field(
+        None,
+        description="Calibration data (FILE.npz:KEY) on which each layer's INT8 mean shift is "
+        "measured and folded into its bias.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self):
