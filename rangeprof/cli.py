@@ -375,28 +375,17 @@ def report(
     calibration method's clipping range, and the per-layer error of an evaluation."""
     from rangeprof.profiler.export.report import render_report
     from rangeprof.profiler.profiling.document import load_profile
+    from rangeprof.workflows.profiling import evaluation_report
 
     try:
         _check_out(out)
         doc = load_profile(profile_path)
-        measured = None if evaluation is None else _evaluation_report(evaluation)
+        measured = None if evaluation is None else evaluation_report(evaluation)
         html = render_report(doc, measured)
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, html)
     _err.print(f"report of {len(doc['tensors'])} tensors -> {out}", highlight=False)
-
-
-def _evaluation_report(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as err:
-        raise RangeprofError(f"{path}: {err.strerror}") from None
-    except ValueError as err:
-        raise RangeprofError(f"{path}: not JSON ({err})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), list):
-        raise RangeprofError(f"{path}: not the JSON of `rangeprof evaluate --json`")
-    return doc
 
 
 # INT8 builds and their evaluation (`rangeprof.byoc`).
