@@ -45,6 +45,8 @@ from onnxruntime import quantization as ortq  # noqa: E402
 
 from rangeprof.workflows import profiling, quantize  # noqa: E402
 from rangeprof.workflows.requests import EvaluateRequest, ProfileRequest  # noqa: E402
+from labelled_data import magika_dataset  # noqa: E402
+from pypi_models import MODELS, fetch  # noqa: E402
 
 # model -> (ONNX file, data .npz with calib / test / test_labels, input shapes)
 LABELLED = {
@@ -54,6 +56,8 @@ LABELLED = {
         SHARED / "data" / "textlines.npz",
         {"x": (1, 3, 48, 192)},
     ),
+    # files of about 10 known kinds, some 25 test files each (tests/labelled_data.py)
+    "magika": (fetch("magika"), magika_dataset(64, 256), MODELS["magika"].input_shapes),
 }
 ORT_METHODS = {
     "MinMax": ortq.CalibrationMethod.MinMax,
@@ -63,16 +67,18 @@ ORT_METHODS = {
 
 
 def _host() -> dict:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor(),
-    )  # fmt: skip
-    flags = Path("/proc/cpuinfo").read_text()
+    """The CPU (name, family and model: "AMD EPYC" alone does not tell Zen 3 from Zen 4), its
+    cores and whether it has VNNI."""
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
     return {
-        "cpu": cpu,
+        "cpu": info.get("model name", platform.processor()),
+        "family": info.get("cpu family"),
+        "model": info.get("model"),
         "cores": os.cpu_count(),
-        "avx512_vnni": "avx512_vnni" in flags,
+        "avx512_vnni": "avx512_vnni" in info.get("flags", "").split(),
         "onnxruntime": ort.__version__,
     }
 
