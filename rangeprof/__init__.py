@@ -20,7 +20,17 @@ import os
 # 2-core machine; its pool reads this once, when a thread first runs a parallel kernel.
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 
-__all__ = ["Int8Model", "Model", "Profile", "QParams", "TensorProfile", "build", "load", "profile"]
+__all__ = [
+    "Int8Model",
+    "Model",
+    "Profile",
+    "QParams",
+    "TensorProfile",
+    "build",
+    "evaluate",
+    "load",
+    "profile",
+]
 
 
 def __getattr__(name: str):

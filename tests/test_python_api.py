@@ -121,6 +121,29 @@ def test_build_runs_int8(digits, tmp_path):
     assert accuracy > 0.9
 
 
+def test_evaluate_and_a_budget_build_from_python(digits, tmp_path):
+    model, calib, _, _ = digits
+    data = SHARED / "data" / "digits.npz"
+    profile = rangeprof.profile(model, {"image": calib})
+    report = rangeprof.evaluate(
+        model, profile, f"{data}:test", labels=f"{data}:test_labels", method="all", samples=64
+    )
+    methods = [m["method"] for m in report["methods"]]
+    assert methods == ["max", "percentile", "entropy", "mse", "best"]
+    assert report["samples"] == 64 and report["int8_top1"] >= report["fp32_top1"] - 2
+    # A budget of 0 points keeps layers FP32 until nothing is lost on these samples.
+    int8 = rangeprof.build(
+        model,
+        profile.calibrate(method="percentile", percentile=50.0, scheme="asym", dtype="uint8"),
+        accuracy_budget=0.0,
+        data=f"{data}:test",
+        labels=f"{data}:test_labels",
+        samples=64,
+        out=tmp_path / "budget",
+    )
+    assert int8.manifest["kept_fp32"]
+
+
 def test_a_cross_compiled_build_is_not_run_here(tmp_path):
     int8 = rangeprof.Int8Model(tmp_path, {"target": "aarch64", "library": "model.so"}, ("x",))
     with pytest.raises(RangeprofError, match="this aarch64 build runs on its target"):
