@@ -558,7 +558,7 @@ def evaluate(
     qparams: QparamsFile = None,
     profile: ProfileFile = None,
     method: Annotated[
-        str, typer.Option(help="max | percentile | entropy | mse | all (with --profile)")
+        str, typer.Option(help="max | percentile | entropy | mse | best | all (with --profile)")
     ] = "max",
     percentile: Percentile = 99.99,
     input_shape: InputShapes = None,
