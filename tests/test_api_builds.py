@@ -23,7 +23,7 @@ from tvm import relax
 from rangeprof.byoc.artifact import build_artifact
 from rangeprof.byoc.plugin import get_plugin
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
-from rangeprof.profiler.calibrate.methods import METHODS
+from rangeprof.profiler.calibrate.methods import CHOICES
 from rangeprof.service.limits import Limits
 from rangeprof.workflows import quantize
 from rangeprof.workflows.requests import BuildRequest, EvaluateRequest
@@ -254,7 +254,7 @@ def test_an_evaluation_of_every_method_reports_the_best(live, digits):
     evaluation = wait_for(live.owner, f"/api/evaluations/{queued['id']}")
     assert evaluation["method"] == "all" and evaluation["request"] == queued["request"]
     report = evaluation["report"]
-    assert [m["method"] for m in report["methods"]] == list(METHODS)
+    assert [m["method"] for m in report["methods"]] == list(CHOICES)
     best = next(m for m in report["methods"] if m["method"] == report["method"])
     assert best["int8_top1"] == max(m["int8_top1"] for m in report["methods"])
     assert report["fp32_top1"] - report["int8_top1"] <= 1.5  # within the budget
