@@ -204,6 +204,47 @@ def test_a_profile_of_an_equalized_model_is_refused(profiled):
         qdq_model(onnx.load(profiled.model), doc, X86)
 
 
+def test_an_equalized_profile_exports_the_equalized_model(tmp_path):
+    """The export writes the equalized weights: the FP32 model beneath the pairs computes what
+    the original does, and ORT's top-1 on the export is our build's with the same profile."""
+    case = CASES["digits_cnn"]
+    model = zoo_model("digits_cnn")
+    profile = profiling.profile(
+        ProfileRequest(model=model, data=f"{case.data}:calib", equalize=True)
+    )
+    exported = onnx.load_from_string(profiling.render_export(profile, "qdq", X86, model))
+    onnx.checker.check_model(exported, full_check=True)
+    equalized, _ = profiling._transformed(onnx.load(model), model, profile)
+    x, labels = _test_set(case)
+    original = _ort_outputs(onnx.load(model), case, x)
+    np.testing.assert_allclose(_ort_outputs(equalized, case, x), original, rtol=1e-4, atol=1e-4)
+    changed = {
+        t.name
+        for t, u in zip(
+            equalized.graph.initializer, onnx.load(model).graph.initializer, strict=True
+        )
+        if not np.array_equal(onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(u))
+    }
+    assert changed  # conv weights, their bias and batch norm shifts
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    qparams = tmp_path / "qparams.json"
+    qparams.write_text(json.dumps(calibrate(profile, X86)))
+    report = quantize.evaluate(
+        EvaluateRequest(
+            model=model,
+            qparams=qparams,
+            data=f"{case.data}:test",
+            labels=f"{case.data}:test_labels",
+            samples=case.test_samples,
+        )
+    )
+    outputs = _ort_outputs(exported, case, x)
+    ort_top1 = 100.0 * (outputs.argmax(1) == labels).mean()
+    assert abs(ort_top1 - report["int8_top1"]) <= 0.2
+
+
 def test_cli_needs_the_model_and_writes_one_onnx_loads(profiled, tmp_path):
     out = tmp_path / "model.int8.onnx"
     args = ["export", str(profiled.profile_path), "--format", "qdq", "--out", str(out)]

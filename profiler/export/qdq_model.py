@@ -30,7 +30,9 @@ granularity and power-of-two rule — what every rangeprof target multiplies, ON
 
 Per-channel ``DequantizeLinear`` needs opset 13 and 16-bit types opset 21: a model below that is
 converted (``onnx.version_converter``). A profile of a transformed model (``model.transforms``,
-e.g. cross-layer equalization) holds another model's ranges and is refused.
+e.g. cross-layer equalization) holds another model's ranges and is refused here: the export
+workflow (:func:`rangeprof.workflows.profiling.render_export`) first writes the equalized
+weights into the model's initializers.
 """
 
 from __future__ import annotations

@@ -93,6 +93,32 @@ def export(request: ExportRequest) -> Exported:
     return render_export(profile, request.format, _options(request), request.model, evaluation)
 
 
+def _transformed(onnx_model, path: Path, profile: dict):
+    """The ONNX model as profiled (its initializers equalized as the profile's transforms say)
+    and the profile, whose ranges are now that model's own."""
+    from onnx import numpy_helper
+
+    from rangeprof.profiler.ir.importer import import_onnx
+    from rangeprof.profiler.ir.onnx_load import load_model
+    from rangeprof.profiler.ir.passes.equalize import equalized_initializers
+    from rangeprof.profiler.ir.tagging import WEIGHT_PREFIX
+
+    shapes = {k: tuple(v) for k, v in profile["model"]["inputs"].items()}
+    imported = import_onnx(load_model(path, shapes))
+    initializers = {t.name: t for t in onnx_model.graph.initializer}
+    for profile_id, value in equalized_initializers(imported.mod).items():
+        name = profile_id.removeprefix(WEIGHT_PREFIX)
+        if not profile_id.startswith(WEIGHT_PREFIX) or name not in initializers:
+            raise RangeprofError(
+                f"{path}: equalization changed {profile_id}, which is no initializer of the "
+                "file: cannot write the equalized model"
+            )
+        old = initializers[name]
+        old.CopyFrom(numpy_helper.from_array(value.astype(numpy_helper.to_array(old).dtype), name))
+    model_doc = {k: v for k, v in profile["model"].items() if k != "transforms"}
+    return onnx_model, {**profile, "model": model_doc}
+
+
 def render_export(
     profile: dict,
     fmt: str,
@@ -112,6 +138,9 @@ def render_export(
     onnx_model = _profiled_model(model, profile)
     if fmt == formats.QDQ:
         from rangeprof.profiler.export.qdq_model import qdq_model
+
+        if profile["model"].get("transforms"):
+            onnx_model, profile = _transformed(onnx_model, model, profile)
 
         return qdq_model(onnx_model, profile, options).SerializeToString()
     from rangeprof.profiler.export.model_explorer import node_data

@@ -30,6 +30,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.ir.passes.channel_chains import (
     Edits,
     Linear,
@@ -289,3 +290,30 @@ class CrossLayerEqualization:
 
     def transform_function(self, func, mod, ctx):
         return equalize_function(func) if isinstance(func, relax.Function) else func
+
+
+def equalized_initializers(mod: tvm.IRModule) -> dict[str, np.ndarray]:
+    """The weights that equalizing the tagged initial module ``mod`` changes, by profileID
+    (``weight:<initializer>`` for an ONNX initializer), with their new values."""
+
+    def constants(module: tvm.IRModule) -> dict[str, list[np.ndarray]]:
+        found: dict[str, list[np.ndarray]] = {}
+
+        def visit(expr):
+            if isinstance(expr, tvm.ir.GenericConst):
+                for profile_id in ids_of(expr):
+                    found.setdefault(profile_id, []).append(expr.value.numpy())
+
+        relax.analysis.post_order_visit(module["main"], visit)
+        return found
+
+    before, after = constants(mod), constants(CrossLayerEqualization()(mod))
+    changed = {}
+    for profile_id, values in after.items():
+        moved = [v for v in values if not any(np.array_equal(v, b) for b in before[profile_id])]
+        if not moved:
+            continue
+        if len(values) > 1:  # one use equalized, another not: no single value to write back
+            raise RangeprofError(f"{profile_id} is read by several layers and equalized in one")
+        changed[profile_id] = moved[0]
+    return changed
