@@ -22,13 +22,8 @@ import numpy as np
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from pypi_models import MODELS, cache_dir, fetch_member
+from pypi_models import cache_dir, fetch_magika_config
 
-# The model's feature sizes and label names, from the same wheel as the model.
-MAGIKA_CONFIG = (
-    "magika/models/standard_v3_3/config.min.json",
-    "ae24c742205358f6ff6dfd5facb6743fb69743dbba8373e73da58ff0cbd695db",
-)
 # Magika's label for each suffix that names one kind of file (not .h: C and C++ share it), of
 # the kinds we hold enough files of and Magika tells apart from their neighbours (not .txt:
 # much of it reads as reStructuredText; license files are taken by name instead).
@@ -61,9 +56,7 @@ def magika_dataset(calib: int, test: int, seed: int = 0) -> Path:
 
     Raises ``RuntimeError`` when Magika's config cannot be fetched, ``ValueError`` when fewer
     than two kinds have enough files for the sizes asked."""
-    package = MODELS["magika"].package
-    config_path = fetch_member(package, *MAGIKA_CONFIG, cache_dir() / "magika_config.min.json")
-    config = json.loads(config_path.read_text())
+    config = json.loads(fetch_magika_config().read_text())
     space = config["target_labels_space"]
     rng = np.random.default_rng(seed)
     candidates = {

@@ -104,6 +104,21 @@ def fetch_member(package: str, member: str, sha256: str, target: Path) -> Path:
     return target
 
 
+# Magika's feature sizes and label names, from the same wheel as its model
+# (tests/labelled_data.py makes labelled inputs with them).
+MAGIKA_CONFIG = (
+    "magika/models/standard_v3_3/config.min.json",
+    "ae24c742205358f6ff6dfd5facb6743fb69743dbba8373e73da58ff0cbd695db",
+)
+
+
+def fetch_magika_config() -> Path:
+    """Magika's ``config.min.json`` in the cache, fetched from its wheel first if need be."""
+    target = cache_dir() / "magika_config.min.json"
+    return fetch_member(MODELS["magika"].package, *MAGIKA_CONFIG, target)
+
+
 if __name__ == "__main__":
     for key in MODELS:
         print(f"{key}: {fetch(key)}")
+    print(f"magika config: {fetch_magika_config()}")
