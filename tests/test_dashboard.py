@@ -955,6 +955,10 @@ def test_run_page_builds_an_artifact_and_cancels_a_queued_build(tab, live, digit
     expect(row).to_have_attribute("data-status", "done", timeout=300_000)
     expect(row.locator("[role=progressbar]")).to_have_attribute("aria-valuenow", "100")
     assert page.evaluate("window.sameDocument") is True
+    # The sampler ticks every 50 ms: the row can be done a tick before it records so.
+    page.wait_for_function(
+        "id => window.seen.some(s => s[0] === id && s[1] === 'done')", arg=str(build_id)
+    )
     seen = [s for s in page.evaluate("window.seen") if s[0] == str(build_id)]
     # Running, first without a phase (the job process starting), then in the build's phases.
     phases = {phase for _, status, phase, _ in seen if status == "running"} - {""}
