@@ -323,35 +323,20 @@ def evaluate(
     data: str,
     *,
     labels: str | None = None,
-    target: str = "x86",
     method: str = "max",
-    percentile: float = 99.99,
-    weight_bits: int = 8,
-    fp32_fallback: bool = False,
-    accuracy_budget: float | None = None,
-    samples: int | None = None,
-    bias_correction: str | None = None,
+    **options: Any,
 ) -> dict:
     """FP32 against INT8 on ``data`` (``FILE.npz:KEY``; ``labels`` likewise, for top-1): the
     report of ``rangeprof evaluate --json`` — per-layer isolated and accumulated SQNR, output
     SQNR, agreement, top-1. ``method="all"`` (with a profile) tries every calibration method
-    and reports the best; the other options are :func:`build`'s."""
+    and reports the best. ``options`` are :func:`build`'s (``target``, ``percentile``,
+    ``weight_bits``, ``fp32_fallback``, ``accuracy_budget``, ``samples``,
+    ``bias_correction``); the evaluation request refuses any other."""
     from rangeprof.workflows import quantize
     from rangeprof.workflows.requests import EvaluateRequest
 
     model = model if isinstance(model, Model) else load(model)
-    options = {
-        "target": target,
-        "method": method,
-        "percentile": percentile,
-        "weight_bits": weight_bits,
-        "fp32_fallback": fp32_fallback,
-        "accuracy_budget": accuracy_budget,
-        "data": data,
-        "labels": labels,
-        "samples": samples,
-        "bias_correction": bias_correction,
-    }
+    asked = {"data": data, "labels": labels, "method": method, **options}
     with tempfile.TemporaryDirectory(prefix="rangeprof-evaluate-") as folder:
-        fields = _quantize_fields(model, ranges, Path(folder), options)
+        fields = _quantize_fields(model, ranges, Path(folder), asked)
         return quantize.evaluate(EvaluateRequest(**fields))
