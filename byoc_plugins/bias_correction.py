@@ -25,9 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from rangeprof.profiler.profiling.data import model_inputs, open_data
-
-from .evaluate import Program, Progress
+from .evaluate import Progress, model_data, program
 from .lowering import FP32, SHADOW
 from .patterns import CONV2D
 from .quantized import QuantizedModel
@@ -58,18 +56,19 @@ def measure(
     data: str,
     samples: int | None = None,
     progress: Progress | None = None,
+    compiled: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """The bias correction ``δ`` per output channel of every quantized region, keyed by the
     region's output profileID (the same whichever plugin partitioned the model), measured on
-    ``data`` (a :func:`~rangeprof.profiler.profiling.data.open_data` spec)."""
+    ``data`` (a :func:`~rangeprof.profiler.profiling.data.open_data` spec). ``compiled`` is
+    :func:`~.evaluate.evaluate`'s program cache: the FP32 program serves both."""
     quantized = [r for r in qm.regions if r.fallback is None]
     if progress:
         progress("bias correction: compiling", 0, 2)
-    reference = Program(qm, {r.name: FP32 for r in qm.regions})
-    deployed = Program(qm, {r.name: SHADOW for r in quantized})
-    loaded = qm.imported.loaded
-    batch = next(iter(loaded.input_shapes.values()))[0]
-    source = open_data(data, model_inputs(loaded.facts), batch_size=batch, samples=samples)
+    compiled = {} if compiled is None else compiled
+    reference = program(qm, "fp32", {r.name: FP32 for r in qm.regions}, compiled)
+    deployed = program(qm, "shadow", {r.name: SHADOW for r in quantized}, compiled)
+    source = model_data(qm, data, samples)
     means: dict[str, _Means] = {}
     done = 0
     for arrays in source.batches():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import tvm
@@ -163,6 +164,34 @@ def _bias(region) -> bytes | None:
     return None if bias is None else bias.tobytes()
 
 
+def model_data(qm: QuantizedModel, data: str, samples: int | None):
+    """``data`` (a :func:`rangeprof.profiler.profiling.data.open_data` spec) opened for ``qm``'s
+    inputs, in batches of the model's own batch."""
+    loaded = qm.imported.loaded
+    batch = next(iter(loaded.input_shapes.values()))[0]
+    return open_data(data, model_inputs(loaded.facts), batch_size=batch, samples=samples)
+
+
+def program(
+    qm: QuantizedModel,
+    name: str,
+    modes: dict[str, str],
+    compiled: dict,
+    announce: Callable[[], None] | None = None,
+) -> Program:
+    """The program of ``qm`` with region ``modes``, from ``compiled`` when it holds one for the
+    same modes (the ``fp32`` one, with every region FP32, also for any qparams and biases);
+    ``announce`` is called before a compile."""
+    key = (name, tuple(sorted(modes.items())))
+    if name != "fp32":
+        key += (tuple((r.name, r.input, r.output, _bias(r)) for r in qm.regions),)
+    if key not in compiled:
+        if announce:
+            announce()
+        compiled[key] = Program(qm, modes)
+    return compiled[key]
+
+
 def evaluate(
     qm: QuantizedModel,
     data: str,
@@ -177,9 +206,7 @@ def evaluate(
     across calls: the FP32 and shadow programs do not depend on ``kept_fp32``, and the FP32 one not
     on the qparams either (:meth:`~rangeprof.byoc.quantized.QuantizedModel.replanned` models share
     it)."""
-    loaded = qm.imported.loaded
-    batch = next(iter(loaded.input_shapes.values()))[0]
-    source = open_data(data, model_inputs(loaded.facts), batch_size=batch, samples=samples)
+    source = model_data(qm, data, samples)
     if labels is not None and len(labels) < source.num_samples:
         raise RangeprofError(f"{len(labels)} labels for {source.num_samples} samples")
     quantizable = [r for r in qm.regions if r.fallback is None]
@@ -192,14 +219,8 @@ def evaluate(
     compiled = {} if compiled is None else compiled
     programs = {}
     for index, (name, stage_modes) in enumerate(stages):
-        key = (name, tuple(sorted(stage_modes.items())))
-        if name != "fp32":
-            key += (tuple((r.name, r.input, r.output, _bias(r)) for r in qm.regions),)
-        if key not in compiled:
-            if progress:
-                progress(f"compiling {name}", index, len(stages))
-            compiled[key] = Program(qm, stage_modes)
-        programs[name] = compiled[key]
+        announce = progress and partial(progress, f"compiling {name}", index, len(stages))
+        programs[name] = program(qm, name, stage_modes, compiled, announce)
     layers = [
         LayerError(
             r.output_id, r.name, r.pattern, modes[r.name], r.output.scale if r.output else None

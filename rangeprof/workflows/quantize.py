@@ -71,12 +71,14 @@ def _host(plugin, request: QuantizeRequest, qm, qparams):
     return _quantized(request, qparams, replace(get_plugin("x86"), policy=plugin.policy))
 
 
-def _bias_corrections(request: QuantizeRequest, measured, progress: Progress | None):
+def _bias_corrections(
+    request: QuantizeRequest, measured, progress: Progress | None, compiled: dict | None = None
+):
     """The bias corrections measured on ``measured`` with the request's calibration data, and
-    the record a manifest or report keeps of them."""
+    the record a manifest or report keeps of them; ``compiled``: the programs to reuse."""
     from rangeprof.byoc.bias_correction import measure
 
-    corrections = measure(measured, request.bias_correction, progress=progress)
+    corrections = measure(measured, request.bias_correction, progress=progress, compiled=compiled)
     return corrections, {"data": request.bias_correction, "regions": len(corrections)}
 
 
@@ -130,7 +132,7 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
         else:
             qm = qm.replanned(qparams, request.fp32_fallback)
         if request.bias_correction is not None:
-            qm = corrected(qm, *_bias_corrections(request, qm, progress))
+            qm = corrected(qm, *_bias_corrections(request, qm, progress, compiled))
         if request.accuracy_budget is None:
             result = run_evaluation(
                 qm, request.data, labels, request.samples, progress=progress, compiled=compiled

@@ -123,16 +123,20 @@ class Linear:
         w = self.weight.astype(np.float64)
         return w * scale[:, None, None, None] if self.is_conv else w * scale[None, :]
 
+    @property
+    def input_index(self) -> np.ndarray:
+        """For a conv, the input channel each ``[o, i]`` of the OIHW weight reads: with groups,
+        output ``o`` of group ``g = o // (O/G)`` reads inputs ``g*(I/G) + i``, ``i < I/G``."""
+        out_ch, in_per_group = self.weight.shape[:2]
+        group = np.arange(out_ch) // (out_ch // self.groups)
+        return group[:, None] * in_per_group + np.arange(in_per_group)[None, :]
+
     def scaled_inputs(self, scale: np.ndarray) -> np.ndarray:
         """The float64 weight with input channel ``c`` multiplied by ``scale[c]``."""
         w = self.weight.astype(np.float64)
         if not self.is_conv:
             return w * scale[:, None]
-        # OIHW with groups: output o of group g = o // (O/G) reads inputs g*(I/G) + i, i < I/G.
-        out_ch, in_per_group = w.shape[:2]
-        group = np.arange(out_ch) // (out_ch // self.groups)
-        index = group[:, None] * in_per_group + np.arange(in_per_group)[None, :]
-        return w * scale[index][:, :, None, None]
+        return w * scale[self.input_index][:, :, None, None]
 
     def rebuild(self, data, weight: np.ndarray, weight_ids, ids) -> tvm.ir.Call:
         """The same op on ``data`` with ``weight`` (cast back to its dtype), carrying ``ids``."""

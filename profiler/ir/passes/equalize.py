@@ -183,12 +183,8 @@ def _in_ranges(lin: Linear) -> np.ndarray:
     w = np.abs(lin.weight.astype(np.float64))
     if not lin.is_conv:
         return w.max(axis=1)
-    # OIHW with groups: output o of group g reads inputs g*(I/G) + i (as Linear.scaled_inputs).
-    out_ch, in_per_group = w.shape[:2]
-    group = np.arange(out_ch) // (out_ch // lin.groups)
-    index = group[:, None] * in_per_group + np.arange(in_per_group)[None, :]
     ranges = np.zeros(lin.in_channels)
-    np.maximum.at(ranges, index, w.max(axis=(2, 3)))
+    np.maximum.at(ranges, lin.input_index, w.max(axis=(2, 3)))
     return ranges
 
 
