@@ -10,7 +10,10 @@ and the **core** (:func:`integer_core`) is, in plain Relax integer operators:
 ``pad`` with ``z_x`` → ``conv2d`` / ``matmul`` (8-bit × int8 → int32) → ``+ bias`` (int32) →
 requantize as the policy says (fixed point: int64 multiply, add the rounding constant,
 arithmetic shift; or float: float32 multiply, round) → ``+ z_y`` → clamp → 8 bits (formulas
-in :mod:`.policy`). A region whose input is the output of
+in :mod:`.policy`). A ``batch_matmul`` region quantizes both operands at its boundary (the
+second one symmetric int8) and its core (:func:`batch_matmul_core`) corrects the first one's
+zero point at run time: ``Σ_k (a_q − z_a)·b_q = Σ_k a_q·b_q − z_a·Σ_k b_q``, a column sum of
+``b_q`` per call. A region whose input is the output of
 another INT8 region with the same qparams takes that region's ``y_q`` directly: chains of
 regions stay in 8 bits, and dequantize / quantize pairs are left only where an FP32 operator
 sits between them.
@@ -37,7 +40,7 @@ from tvm import relax
 
 from rangeprof.profiler.ir.spans import with_ids
 
-from .patterns import CONV2D
+from .patterns import BATCH_MATMUL, CONV2D
 from .policy import (
     FIXED_POINT,
     FLOAT,
@@ -108,6 +111,39 @@ def integer_core(
                 out = requantize(bb, acc, m, per_channel, y, bounds, way)
             else:
                 out = _float_output(bb, acc, x.scale * w_scales, per_channel, fr.clamp)
+        bb.emit_func_output(out)
+    return bb.get()[name]
+
+
+def batch_matmul_core(
+    region: Region, policy: QuantPolicy, shapes, name: str, integer_output: bool = True
+) -> relax.Function:
+    """A ``batch_matmul`` region's integer computation, a function of both quantized operands:
+    ``Σ_k a_q·b_q − z_a·Σ_k b_q`` in int32, then as :func:`integer_core` (one scale for all
+    channels, ``s_a · s_b``)."""
+    a, b, y = region.input, region.operand, region.output
+    bb = relax.BlockBuilder()
+    aq = relax.Var("aq", relax.TensorType(shapes[0], a.dtype))
+    bq = relax.Var("bq", relax.TensorType(shapes[1], b.dtype))
+    depth = int(shapes[1][-2])
+    scale = np.array([a.scale * b.scale])
+    with bb.function(name, [aq, bq]):
+        with bb.dataflow():
+            acc = bb.emit(relax.op.matmul(aq, bq, out_dtype="int32"))
+            if a.zero_point:
+                wide = bb.emit(relax.op.astype(bq, "int32"))
+                sums = bb.emit(relax.op.sum(wide, axis=[-2], keepdims=True))
+                fix = bb.emit(relax.op.multiply(sums, _const(a.zero_point, "int32")))
+                acc = bb.emit(relax.op.subtract(acc, fix))
+            if integer_output:
+                m = scale / y.scale
+                largest = depth * max(a.qmax - a.zero_point, a.zero_point - a.qmin) * b.qmax
+                way = policy.requantize
+                if way == FLOAT and largest * m[0] >= 2.0**30:
+                    way = FIXED_POINT
+                out = requantize(bb, acc, m, (1,), y, output_clamp(y, None), way)
+            else:
+                out = _float_output(bb, acc, scale, (1,), None)
         bb.emit_func_output(out)
     return bb.get()[name]
 
@@ -215,6 +251,7 @@ class _Lowerer:
         same qparams (or the policy wants integer outputs everywhere)."""
         main = self.mod["main"]
         calls: dict[relax.Var, Region] = {}
+        # Who reads a Var: a region's first operand (which may take it in 8 bits), or None.
         consumers: dict[relax.Var, list[Region | None]] = {}
         for block in main.body.blocks:
             for binding in block.bindings:
@@ -225,8 +262,9 @@ class _Lowerer:
                     region = self.by_name.get(callee.name_hint)
                 if region is not None:
                     calls[binding.var] = region
+                first = value.args[0] if region is not None else None
                 for var in _vars_in(value):
-                    consumers.setdefault(var, []).append(region)
+                    consumers.setdefault(var, []).append(region if var.same_as(first) else None)
         consumers.setdefault(main.body.body, []).append(None)
         keep = set()
         for var, region in calls.items():
@@ -239,27 +277,35 @@ class _Lowerer:
                 keep.add(region.name)
         return keep
 
-    def _core(self, region: Region, xq) -> relax.Expr:
-        shape = [int(d) for d in xq.ty.shape.values]
+    def _core(self, region: Region, operands: list) -> relax.Expr:
+        shapes = [[int(d) for d in q.ty.shape.values] for q in operands]
         name = f"{region.name}_int8"
         integer = region.name in self.integer_outputs
-        core = integer_core(region, self.policy, shape, name, integer)
+        if region.float_region.kind == BATCH_MATMUL:
+            core = batch_matmul_core(region, self.policy, shapes, name, integer)
+        else:
+            core = integer_core(region, self.policy, shapes[0], name, integer)
         if self.external is None:
-            return _inline(self.bb, core, [xq], region.profile_ids, None)
+            return _inline(self.bb, core, operands, region.profile_ids, None)
         attrs = {"Codegen": self.external, "global_symbol": name}
         gvar = self.bb.add_func(core.with_attrs(attrs), name)
-        call = self.bb.normalize(relax.Call(gvar, [xq]))
+        call = self.bb.normalize(relax.Call(gvar, operands))
         return self.bb.emit(with_ids(call, region.profile_ids))
 
-    def _int8(self, region: Region, data, result: relax.Var | None) -> relax.Expr:
-        ids = region.profile_ids
-        x = region.input
+    def _quantized(self, data, q: ActivationQ, ids) -> relax.Expr:
+        """``data`` in ``q``'s integers: the 8-bit output of the region that computed it when
+        its qparams are ``q``, else a quantize."""
         twin = self.quantized.get(data)
-        if twin is not None and twin[1] == x:
-            xq = twin[0]
-        else:
-            xq = self.bb.emit(_boundary(self.bb, relax.op.quantize, data, x, ids, x.dtype))
-        yq = self._core(region, xq)
+        if twin is not None and twin[1] == q:
+            return twin[0]
+        return self.bb.emit(_boundary(self.bb, relax.op.quantize, data, q, ids, q.dtype))
+
+    def _int8(self, region: Region, args, result: relax.Var | None) -> relax.Expr:
+        ids = region.profile_ids
+        operands = [self._quantized(args[0], region.input, ids)]
+        if region.operand is not None:
+            operands.append(self._quantized(args[1], region.operand, ids))
+        yq = self._core(region, operands)
         if region.name not in self.integer_outputs:
             y = yq  # already FP32
         else:
@@ -282,14 +328,13 @@ class _Lowerer:
         mode = self._mode(region)
         if mode != FP32 and region.fallback:
             raise ValueError(f"{region.name} has no qparams: {region.fallback}")
-        data = value.args[0]
         func = self.mod[value.op]
         if mode == INT8:
-            out = self._int8(region, data, binding.var)
+            out = self._int8(region, value.args, binding.var)
         else:
             out = _inline(self.bb, func, value.args, region.profile_ids, binding.var)
             if mode == SHADOW:
-                out = self._int8(region, data, None)
+                out = self._int8(region, value.args, None)
         self.exposed.append((region.output_id if region.output else region.name, out))
 
     def lower(self, expose: bool) -> tuple[tvm.IRModule, list[str]]:

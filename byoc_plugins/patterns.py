@@ -3,7 +3,9 @@
 A region is ``conv2d`` (dense, depthwise or grouped; NCHW / OIHW) or ``matmul`` with a constant
 float32 weight, then optionally a constant per-output-channel bias add, then optionally a ReLU or a
 ``Clip`` (``maximum(·, lo)`` followed by ``minimum(·, hi)``, as ReLU6 is after
-``rangeprof.profiler.build.schedules.prepare``). Patterns are listed longest first:
+``rangeprof.profiler.build.schedules.prepare``); or, for targets that take it, a ``batch_matmul``:
+a ``matmul`` of two activations (attention's scores ``Q·Kᵀ`` and context ``P·V``), no epilogue.
+Patterns are listed longest first, constant-weight kinds before ``batch_matmul``:
 ``FuseOpsByPattern`` takes the first that matches. :func:`read_region` reads a matched composite
 function back into a :class:`FloatRegion`."""
 
@@ -21,7 +23,9 @@ from rangeprof.profiler.ir.spans import ids_of
 
 CONV2D = "conv2d"
 MATMUL = "matmul"
-_OPS = {CONV2D: "relax.nn.conv2d", MATMUL: "relax.matmul"}
+BATCH_MATMUL = "batch_matmul"  # a matmul of two activations
+WEIGHTED = (CONV2D, MATMUL)
+_OPS = {CONV2D: "relax.nn.conv2d", MATMUL: "relax.matmul", BATCH_MATMUL: "relax.matmul"}
 _EPILOGUES = ("bias_clip", "bias_relu", "bias", "clip", "relu", "")
 
 
@@ -29,8 +33,8 @@ _EPILOGUES = ("bias_clip", "bias_relu", "bias", "clip", "relu", "")
 class FloatRegion:
     """What a composite function computes, as its quantized form needs it."""
 
-    kind: str  # CONV2D | MATMUL
-    weight: np.ndarray  # OIHW for conv2d, [K, N] for matmul
+    kind: str  # CONV2D | MATMUL | BATCH_MATMUL
+    weight: np.ndarray | None  # OIHW for conv2d, [K, N] for matmul; None for batch_matmul
     bias: np.ndarray | None  # one value per output channel
     clamp: tuple[float, float] | None  # (lo, hi) of a ReLU / Clip epilogue (hi may be inf)
     attrs: dict  # conv2d: strides, padding, dilation, groups
@@ -98,10 +102,28 @@ def _check(kind: str):
     return check
 
 
-def pattern_table(prefix: str, kinds=(CONV2D, MATMUL)) -> list[relax.transform.FusionPattern]:
-    """``<prefix>.<kind>[_<epilogue>]`` patterns for the given op kinds, longest first."""
+def _check_batch_matmul(context: relax.transform.PatternCheckContext) -> bool:
+    """Two float32 activations (a constant operand is a weight: the other patterns' business)
+    of static shapes, the quantized kernels being sized at build time."""
+    op = context.annotated_expr["op"]
+    operands = (*op.args, op)
+    return all(
+        _float32(e) and _constant(e) is None and e.ty.shape is not None for e in operands
+    ) and all(isinstance(d, tvm.tirx.IntImm) for e in operands for d in e.ty.shape.values)
+
+
+def _batch_matmul_pattern(prefix: str) -> relax.transform.FusionPattern:
+    op = is_op(_OPS[BATCH_MATMUL])(wildcard(), wildcard())
+    return relax.transform.FusionPattern(
+        f"{prefix}.{BATCH_MATMUL}", op, {"op": op}, _check_batch_matmul
+    )
+
+
+def pattern_table(prefix: str, kinds=WEIGHTED) -> list[relax.transform.FusionPattern]:
+    """``<prefix>.<kind>[_<epilogue>]`` patterns for the given op kinds, longest first
+    (``batch_matmul``, having neither weight nor epilogue, last)."""
     table = []
-    for kind in kinds:
+    for kind in (k for k in kinds if k in WEIGHTED):
         for epilogue in _EPILOGUES:
             op = is_op(_OPS[kind])(wildcard(), is_const())
             found = {"op": op}
@@ -116,6 +138,8 @@ def pattern_table(prefix: str, kinds=(CONV2D, MATMUL)) -> list[relax.transform.F
                 top = is_op("relax.minimum")(is_op("relax.maximum")(top, found["lo"]), found["hi"])
             name = f"{prefix}.{kind}" + (f"_{epilogue}" if epilogue else "")
             table.append(relax.transform.FusionPattern(name, top, found, _check(kind)))
+    if BATCH_MATMUL in kinds:
+        table.append(_batch_matmul_pattern(prefix))
     return table
 
 
@@ -123,6 +147,8 @@ def read_region(func: relax.Function) -> FloatRegion:
     """The :class:`FloatRegion` of a composite function made from :func:`pattern_table`."""
     calls = [b.value for block in func.body.blocks for b in block.bindings]
     op, *epilogue = calls
+    if str(func.attrs["Composite"]).endswith(f".{BATCH_MATMUL}"):
+        return FloatRegion(BATCH_MATMUL, None, None, None, {}, None)
     kind = CONV2D if op.op.same_as(tvm.ir.Op.get(_OPS[CONV2D])) else MATMUL
     weight_expr = op.args[1]
     channels = int(weight_expr.ty.shape.values[0 if kind == CONV2D else 1])

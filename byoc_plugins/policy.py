@@ -131,6 +131,13 @@ class ActivationQ:
             raise RangeprofError(f"qparams of activation {pid!r} are per-channel; need per-tensor")
         return cls(pid, float(entry["scale"]), int(entry["zero_point"]), entry["dtype"])
 
+    def symmetric(self, dtype: str = "int8") -> ActivationQ:
+        """The same real range ``[s·(qmin − z), s·(qmax − z)]`` on a symmetric ``dtype`` grid
+        (``z = 0``, ``s = max(|lo|, |hi|) / qmax``): what a signed kernel operand takes."""
+        lo = self.scale * (self.qmin - self.zero_point)
+        hi = self.scale * (self.qmax - self.zero_point)
+        return ActivationQ(self.profile_id, max(-lo, hi) / _RANGES[dtype][1], 0, dtype)
+
     def to_json(self) -> dict:
         return {
             "profile_id": self.profile_id,

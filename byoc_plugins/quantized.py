@@ -70,6 +70,8 @@ class QuantizedModel:
     def _region_json(self, region: Region) -> dict:
         doc = region.to_json()
         fr = region.float_region
+        if fr.weight is None:
+            return doc
         x_scale = region.input.scale if region.input is not None else None
         _, scales = quantize_weights(
             fr.weight, fr.channel_axis, self.plugin.policy, fr.bias, x_scale

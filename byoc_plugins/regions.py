@@ -10,7 +10,10 @@ nodes it covers (its lineage), and the tensors at its boundaries are named by th
   lineage, the latest in the initial program order — a conv that absorbed a batch norm, a ReLU
   and a backward-folded channel scale computes the scale's output;
 * the **input** is the output of the binding that feeds it, by the same rule, or the graph
-  input ``input:<name>``.
+  input ``input:<name>``; a ``batch_matmul``'s second **operand** is named the same way, and
+  takes its range on a symmetric int8 grid (:meth:`~.policy.ActivationQ.symmetric`): a zero
+  point there would cost a row sum of the first operand per output, and the kernels multiply
+  unsigned by signed.
 
 A region whose boundary has no qparams is an error naming the region, unless the user asked for
 FP32 fallback: then it stays FP32, and :class:`Region` says why.
@@ -28,7 +31,7 @@ from rangeprof.profiler.ir.lineage import function_lineage
 from rangeprof.profiler.ir.spans import ids_of
 from rangeprof.profiler.ir.tagging import INPUT_PREFIX, LayerRecord
 
-from .patterns import FloatRegion, read_region
+from .patterns import BATCH_MATMUL, FloatRegion, read_region
 from .policy import ActivationQ
 
 
@@ -43,6 +46,7 @@ class Region:
     input: ActivationQ | None  # None: stays FP32 (see ``fallback``)
     output: ActivationQ | None
     fallback: str | None = None  # why the region stays FP32
+    operand: ActivationQ | None = None  # a batch_matmul's second (activation) operand
 
     @property
     def output_id(self) -> str:
@@ -57,6 +61,7 @@ class Region:
             "weight_id": self.float_region.weight_id,
             "input": self.input and self.input.to_json(),
             "output": self.output and self.output.to_json(),
+            **({"operand": self.operand.to_json()} if self.operand else {}),
             "fallback": self.fallback,
         }
 
@@ -118,22 +123,25 @@ def plan_regions(
     for binding, func in composite_calls(mod):
         name = binding.value.op.name_hint
         lineage = function_lineage(func) | ids_of(binding.value)
-        data = binding.value.args[0]
-        input_id = namer.tensor_id(namer.values.get(data, frozenset()))
-        output_id = namer.tensor_id(lineage)
+        float_region = read_region(func)
+        tensors = [("input", binding.value.args[0])]
+        if float_region.kind == BATCH_MATMUL:
+            tensors.append(("operand", binding.value.args[1]))
+        boundary = {
+            what: (namer.tensor_id(ids), ids)
+            for what, ids in [(w, namer.values.get(v, frozenset())) for w, v in tensors]
+        }
+        boundary["output"] = (namer.tensor_id(lineage), lineage)
         pattern = str(func.attrs["Composite"])
         common = {
             "name": name,
             "pattern": pattern,
-            "float_region": read_region(func),
+            "float_region": float_region,
             "profile_ids": tuple(sorted(lineage)),
         }
         missing = [
             f"{what} {found!r}" if found else f"{what} (no tensor in {sorted(ids)})"
-            for what, found, ids in (
-                ("input", input_id, namer.values.get(data, frozenset())),
-                ("output", output_id, lineage),
-            )
+            for what, (found, ids) in boundary.items()
             if found not in qparams
         ]
         if missing:
@@ -142,11 +150,8 @@ def plan_regions(
                 raise RangeprofError(reason + " (profile it, or ask for FP32 fallback)")
             regions.append(Region(**common, input=None, output=None, fallback=reason))
             continue
-        regions.append(
-            Region(
-                **common,
-                input=ActivationQ.from_entry(qparams[input_id]),
-                output=ActivationQ.from_entry(qparams[output_id]),
-            )
-        )
+        q = {what: ActivationQ.from_entry(qparams[found]) for what, (found, _) in boundary.items()}
+        if "operand" in q:
+            q["operand"] = q["operand"].symmetric()
+        regions.append(Region(**common, **q))
     return regions

@@ -1,4 +1,5 @@
-"""x86: INT8 conv2d (dense, depthwise, 1×1) and dense / matmul compiled by LLVM for the host.
+"""x86: INT8 conv2d (dense, depthwise, 1×1), dense / matmul and matmuls of two activations
+(attention's batch matmuls) compiled by LLVM for the host.
 
 The integer cores are inlined into the program and built by the fast CPU path
 (:mod:`rangeprof.profiler.build.schedules`), whose integer rules pick the dot-product instruction of
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from rangeprof.profiler.build.schedules import build, host_target
 
-from ..patterns import pattern_table
+from ..patterns import BATCH_MATMUL, WEIGHTED, pattern_table
 from ..plugin import Plugin
 from ..policy import FLOAT, QuantPolicy
 
@@ -26,7 +27,7 @@ PLUGIN = Plugin(
     name="x86",
     description="INT8 conv2d / dense for the host CPU, LLVM (AVX-512 VNNI or AVX2)",
     policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8", requantize=FLOAT),
-    patterns=lambda: pattern_table("rangeprof_x86"),
+    patterns=lambda: pattern_table("rangeprof_x86", (*WEIGHTED, BATCH_MATMUL)),
     target=host_target,
     compile=_compile,
 )

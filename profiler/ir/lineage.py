@@ -12,7 +12,9 @@ of evidence:
 2. the binding's Var existed before (LegalizeOps and DecomposeOpsForInference keep the Var of
    the binding they rewrite);
 3. the value calls a function of the module (a fused or composite function, or after FuseTIR a
-   PrimFunc named like the fused Relax function it replaced): the union of that function's IDs;
+   PrimFunc named like the fused Relax function it replaced): the union of that function's IDs
+   (a function the pass made once for several call sites is first split per call site by
+   :func:`split_shared_functions`, each copy carrying the IDs of what its call replaced);
 4. a new binding feeding tracked bindings (a decomposition's intermediate values) takes the union
    of its consumers' lineage; one that feeds nothing tracked takes its producers' lineage.
 
@@ -28,6 +30,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from rangeprof.profiler.ir.bindings import (
@@ -219,6 +222,121 @@ def _with_body(func: relax.Function, body: relax.SeqExpr) -> relax.Function:
     return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
 
 
+def _same_call(value, op, args) -> bool:
+    """``value`` is ``op`` applied to ``args`` (Vars by identity, constants by structure)."""
+    return (
+        isinstance(value, relax.Call)
+        and value.op.same_as(op)
+        and len(value.args) == len(args)
+        and all(
+            a.same_as(w) if isinstance(w, relax.Var) else tvm_ffi.structural_equal(a, w)
+            for a, w in zip(value.args, args, strict=True)
+        )
+    )
+
+
+def _replaced(func: relax.Function, args, renamed: dict, users: dict) -> list | None:
+    """The ``before`` bindings a call of ``func`` on ``args`` replaced, one per binding of
+    ``func``: its first operator applied to the arguments, each next one to what the previous
+    ones computed; None when some binding has no such counterpart."""
+    env = {param: renamed.get(arg, arg) for param, arg in zip(func.params, args, strict=True)}
+    found = []
+    for ref in function_bindings("_", func):
+        call = ref.value
+        if not isinstance(call, relax.Call):
+            return None
+        wanted = [env.get(a, a) for a in call.args]
+        anchor = next((w for w in wanted if isinstance(w, relax.Var)), None)
+        match = next(
+            (b for b in users.get(anchor, []) if _same_call(b.value, call.op, wanted)), None
+        )
+        if match is None:
+            return None
+        env[ref.var] = match.var
+        found.append(match)
+    return found
+
+
+def split_shared_functions(before: tvm.IRModule, after: tvm.IRModule) -> tvm.IRModule:
+    """``after`` (``before`` with subgraphs of ``main`` outlined into functions) with one
+    function per call site, each carrying the IDs of the bindings its call replaced.
+
+    FuseOpsByPattern adds its composite functions through a BlockBuilder, which reuses a
+    structurally equal function, spans ignored: an encoder's four attention matmuls become one
+    function called four times, whose body holds the first layer's IDs only. Each call is
+    matched to the chain of ``before`` bindings it replaced (:func:`_replaced`); a call of a
+    shared function gets a copy, its bindings tagged one by one and the call with their union.
+    (FuseOps' functions stay shared: compiled once, and their lineage is only reported.)"""
+    main = after["main"]
+    refs = list(function_bindings("main", main))
+    counts = Counter(
+        r.value.op
+        for r in refs
+        if isinstance(r.value, relax.Call) and isinstance(r.value.op, tvm.ir.GlobalVar)
+    )
+    if all(n == 1 for n in counts.values()):
+        return after
+    users: dict[relax.Var, list[relax.VarBinding]] = {}
+    for ref in function_bindings("main", before["main"]):
+        for var in used_vars(ref.value):
+            users.setdefault(var, []).append(ref)
+    renamed: dict[relax.Var, relax.Var] = {}  # an outlined call's Var -> the Var it replaced
+    retagged: dict[relax.Var, relax.Call] = {}
+    out = after.clone()
+    copies = Counter()
+    for ref in refs:
+        call = ref.value
+        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.GlobalVar)):
+            continue
+        func = after[call.op]
+        if not (isinstance(func, relax.Function) and "Composite" in func.attrs):
+            continue
+        found = _replaced(func, call.args, renamed, users)
+        if found is None:
+            continue
+        renamed[ref.var] = found[-1].var
+        if counts[call.op] == 1:
+            continue
+        tags = {
+            r.var: ids_of(m.value) for r, m in zip(function_bindings("_", func), found, strict=True)
+        }
+        copies[call.op] += 1
+        name = f"{call.op.name_hint}_site{copies[call.op]}"
+        gvar = tvm.ir.GlobalVar(name)
+        out[gvar] = _retagged(func, tags)
+        ids = frozenset().union(*tags.values())
+        retagged[ref.var] = with_ids(relax.Call(gvar, call.args, call.attrs, call.ty_args), ids)
+    if not retagged:
+        return after
+    for gvar in [g for g in counts if copies[g] == counts[g]]:
+        del out[gvar]  # every call now has its own copy
+    out["main"] = _retagged(main, {}, retagged)
+    return out
+
+
+def _retagged(func: relax.Function, tags: dict, values: dict | None = None) -> relax.Function:
+    """``func`` with the values of the bindings in ``tags`` carrying those IDs, and those in
+    ``values`` replaced."""
+    values = values or {}
+
+    def rewrite(seq: relax.SeqExpr) -> relax.SeqExpr:
+        blocks = []
+        for block in seq.blocks:
+            bindings = []
+            for b in block.bindings:
+                value = values.get(b.var, b.value)
+                if b.var in tags:
+                    value = with_ids(value, tags[b.var])
+                if isinstance(b, relax.MatchCast):
+                    bindings.append(relax.MatchCast(b.var, value, b.ty, b.span))
+                else:
+                    bindings.append(relax.VarBinding(b.var, value, b.span))
+            blocks.append(type(block)(bindings, block.span))
+        return relax.SeqExpr(blocks, seq.body, seq.span)
+
+    return _with_body(func, rewrite(func.body))
+
+
 @tvm.transform.module_pass(opt_level=0, name="Tracked")
 class Tracked:
     """Runs ``inner`` and restores the lineage it dropped (see :func:`carry_lineage`)."""
@@ -227,7 +345,7 @@ class Tracked:
         self.inner = inner
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return carry_lineage(mod, self.inner(mod))
+        return carry_lineage(mod, split_shared_functions(mod, self.inner(mod)))
 
 
 # ---------------------------------------------------------------------------------------------
