@@ -4,8 +4,9 @@ at a time.
 For each shape (ResNet-18 3×3 convs, a 1×1, a MobileNetV2 depthwise 3×3, the 512→1000
 classifier): our FP32 kernel, our INT8 kernel alone (8-bit × int8 → int32) and with the
 requantize epilogue the quantized graph fuses into it (→ uint8, as the x86 policy
-requantizes), and that again with 7-bit
-weights (``--weight-bits 7``: ``vpmaddubsw`` instead of ``vpmaddwd`` on AVX2), each the minimum
+requantizes), that again with 7-bit
+weights (``--weight-bits 7``: ``vpmaddubsw`` instead of ``vpmaddwd`` on AVX2) and with int16
+activations (the quantizer's int16 fallback: ``vpmaddwd`` / ``vpdpwssd`` pairs), each the minimum
 over ``--repeats`` rounds (the machine is shared: the minimum is the least disturbed run).
 Modules are written in NHWC, so no layout transpose is timed, only the kernel (and, where it
 multiplies int16 with ``vpmaddwd``, the int16 stage of its input). ``--single-thread`` runs
@@ -68,7 +69,10 @@ def _module(
     x_shape = (1, c_in) if kernel == 0 else (1, size, size, c_in)
     w_shape = (c_in, c_out) if kernel == 0 else (c_out, kernel, kernel, c_in // groups)
     if integer:
-        x = rng.integers(0, 256, x_shape).astype("uint8")
+        # int16 activations within the range whose sums fit int32, as the quantizer bounds them
+        bound = min(2**15 - 1, (2**31 - 1) // (int(np.prod(w_shape)) // c_out * 127))
+        low, high = (-bound, bound) if dtype == "int16" else (0, 255)
+        x = rng.integers(low, high + 1, x_shape).astype(dtype)
         w = rng.integers(-weight_max, weight_max + 1, w_shape).astype("int8")
     else:
         x = rng.normal(size=x_shape).astype("float32")
@@ -131,6 +135,7 @@ def measure(name: str, repeats: int, target) -> dict:
         "int8_ms": _runner(shape, "uint8", False, target),
         "int8_requant_ms": _runner(shape, "uint8", True, target),
         "int8_w7_requant_ms": _runner(shape, "uint8", True, target, weight_max=63),
+        "int16_requant_ms": _runner(shape, "int16", True, target),
     }
     # Calibrate the calls per round on the FP32 kernel (~20 ms a round), then interleave the
     # variants round by round so that a busy spell on the shared machine hits all of them.
@@ -145,6 +150,7 @@ def measure(name: str, repeats: int, target) -> dict:
         **best,
         "speedup": best["fp32_ms"] / best["int8_requant_ms"],
         "speedup_w7": best["fp32_ms"] / best["int8_w7_requant_ms"],
+        "speedup_int16": best["fp32_ms"] / best["int16_requant_ms"],
     }
 
 
@@ -159,7 +165,7 @@ def main() -> None:
     print(f"target {target}, {os.environ['TVM_NUM_THREADS']} thread(s)")
     print(
         f"{'shape':26s} {'fp32 ms':>9s} {'int8 ms':>9s} {'+requant':>9s} {'7-bit w':>9s} "
-        f"{'fp32/int8':>9s} {'fp32/7-bit':>10s}"
+        f"{'int16 a':>9s} {'fp32/int8':>9s} {'fp32/7-bit':>10s} {'fp32/int16':>10s}"
     )
     rows = []
     for name in SHAPES:
@@ -168,7 +174,8 @@ def main() -> None:
         print(
             f"{name:26s} {row['fp32_ms']:9.3f} {row['int8_ms']:9.3f} "
             f"{row['int8_requant_ms']:9.3f} {row['int8_w7_requant_ms']:9.3f} "
-            f"{row['speedup']:8.2f}x {row['speedup_w7']:9.2f}x"
+            f"{row['int16_requant_ms']:9.3f} {row['speedup']:8.2f}x {row['speedup_w7']:9.2f}x "
+            f"{row['speedup_int16']:9.2f}x"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -1,9 +1,10 @@
-"""Integer conv2d (8-bit activations × constant int8 weights → int32) in NHWC: legalization and
-schedule on the target's dot-product instruction.
+"""Integer conv2d (8-bit or int16 activations × constant int8 weights → int32) in NHWC:
+legalization and schedule on the target's dot-product instruction.
 
-The quantized graph convolves ``uint8`` or ``int8`` activations with int8 weights into an
-exact int32 accumulator, followed by an integer epilogue (bias, fixed-point requantization,
-clamp) that FuseOps puts in the same kernel. After ``ConvertLayout`` to NHWC/OHWI:
+The quantized graph convolves ``uint8`` or ``int8`` activations (``int16``, zero point 0, in
+the layers too sensitive for 8 bits) with int8 weights into an exact int32 accumulator, followed
+by an integer epilogue (bias, fixed-point requantization, clamp) that FuseOps puts in the same
+kernel. After ``ConvertLayout`` to NHWC/OHWI:
 
 * **Dense conv** (``groups == 1``, any kernel, stride, dilation): an ``int8_stage`` brings the
   activations into the instruction's type (:class:`~.isa.DotInstruction`: uint8 for AVX-512
@@ -12,20 +13,24 @@ clamp) that FuseOps puts in the same kernel. After ``ConvertLayout`` to NHWC/OHW
   zero, the conv's own padding) and pads the channels to a multiple of the instruction's
   depth. Flipping int8 ↔ uint8 adds ±128 to every activation; the exact correction
   ``-offset · Σw`` per output channel is computed at build time and added after the
-  reduction. Weights are packed at build time to ``[O/ob, KH, KW, C/depth, ob·depth]``: one
-  instruction reads ``lanes × depth`` contiguous weights.
+  reduction. int16 activations take the int16 pairs (``vpdpwssd`` on AVX-512 VNNI,
+  ``vpmaddwd`` elsewhere on x86) as they are: their stage only pads, if anything. Weights are
+  packed at build time to ``[O/ob, KH, KW, C/depth, ob·depth]``: one instruction reads
+  ``lanes × depth`` contiguous weights.
 * **Depthwise conv** (``groups == C``): no dot product spans the channels. On x86 the taps
   go in pairs (:func:`~.isa.pair_instruction`: ``vpdpwssd`` on AVX-512 VNNI, else
-  ``vpmaddwd``): a stage packs ``pad[x]`` and ``pad[x + d]`` (int16 each) into one int32 word
-  per channel (at the columns the conv reads: every other one at stride 2), weights are packed
-  to int16 ``[KH, ⌈KW/2⌉, 2C]``, and one instruction does two taps of 16 (AVX-512) or 8
-  channels (a 3×3 kernel: 6 instructions instead of 9 multiplies). On Zen 4, 16-lane
-  ``vpdpwssd`` made the int32 core of MobileNetV2's 144-channel layer 1.7× faster than
-  8-lane ``vpmaddwd`` + ``vpaddd`` (1.4× the FP32 kernel, with its requantization).
-  Elsewhere (NEON) weights are widened to int16 ``[KH, KW, C]`` and the kernel
-  multiplies-adds a vector of channels per tap in int32 (LLVM emits ``smlal``).
+  ``vpmaddwd``): a stage packs ``pad[x]`` and ``pad[x + d]`` (int16 each, 8-bit and int16
+  activations alike) into one int32 word per channel (at the columns the conv reads: every
+  other one at stride 2), weights are packed to int16 ``[KH, ⌈KW/2⌉, 2C]``, and one
+  instruction does two taps of 16 (AVX-512) or 8 channels (a 3×3 kernel: 6 instructions
+  instead of 9 multiplies). On Zen 4, 16-lane ``vpdpwssd`` made the int32 core of
+  MobileNetV2's 144-channel layer 1.7× faster than 8-lane ``vpmaddwd`` + ``vpaddd`` (1.4× the
+  FP32 kernel, with its requantization). Elsewhere (NEON) weights are widened to int16
+  ``[KH, KW, C]`` and the kernel multiplies-adds a vector of channels per tap in int32 (LLVM
+  emits ``smlal``).
 * Anything else (grouped convs, non-constant weights, output channels no instruction's lanes
-  divide, targets without one) keeps TVM's legalization and the generic schedule.
+  divide, targets without one: int16 dense convs on NEON, whose ``sdot`` is 8-bit only) keeps
+  TVM's legalization and the generic schedule: correct, only slow.
 
 Schedule (dense conv), the FP32 rule's structure (:mod:`.conv2d`) with the instruction inside:
 ``n, o/ob, y/Y | c/chunk, Y, x/T, ky, kx, c, T, ob/lanes | lanes, depth``. The ``T × ob``
@@ -77,20 +82,21 @@ DEPTHWISE = "depthwise_conv2d_int8"
 DEPTHWISE_PAIRS = "depthwise_conv2d_int8_pairs"
 STAGE = "int8_stage"
 CORRECTION = "int8_offset_correction"
-EIGHT_BITS = ("uint8", "int8")
+# Activations the kernels take: 8-bit, or int16 (symmetric: zero point 0, no offset to undo).
+DATA_DTYPES = ("uint8", "int8", "int16")
 # Output rows per depthwise task: its tap-pair slab ((R - 1)·stride + KH padded rows of its
 # channels, ~70 KB for 112-wide rows of 16 channels) stays in cache. A whole-input stage
 # first was 10–35 % slower on MobileNetV2's shapes (8 rows as fast as 16 or 28).
 DEPTHWISE_ROWS = 8
 
 
-def is_int8(call: relax.Call) -> bool:
-    """8-bit activations × a constant int8 right operand → int32 (conv2d or matmul), static
-    shapes (the kernels are sized at build time)."""
+def is_integer(call: relax.Call) -> bool:
+    """8-bit or int16 activations × a constant int8 right operand → int32 (conv2d or matmul),
+    static shapes (the kernels are sized at build time)."""
     data, weight = call.args
     dims = (*data.ty.shape.values, *call.ty.shape.values) if data.ty.shape is not None else [None]
     return (
-        str(data.ty.dtype) in EIGHT_BITS
+        str(data.ty.dtype) in DATA_DTYPES
         and str(weight.ty.dtype) == "int8"
         and str(call.ty.dtype) == "int32"
         and isinstance(weight, tvm.ir.expr.GenericConst)
@@ -266,16 +272,17 @@ def output_block(width: int, channels: int, instruction: DotInstruction) -> int:
 
 
 def dot_kernel(bb: relax.BlockBuilder, kernel, name: str, data, w: np.ndarray, rows: int, **args):
-    """``kernel`` (the conv or the dense compute) of 8-bit ``data`` × int8 weights ``w``
-    (``[O, …, C]``) on the target's dot instruction: the first whose lanes divide ``O`` and which
-    is exact for ``w``'s range, weights packed for it with ``rows`` (the register tile's axis)
-    deciding the output block, the offset correction when the activations change type. None
-    when no instruction fits."""
-    instruction = dot_instruction(w.shape[0], int(np.abs(w.astype(np.int32)).max()))
+    """``kernel`` (the conv or the dense compute) of 8-bit or int16 ``data`` × int8 weights ``w``
+    (``[O, …, C]``) on the target's dot instruction: the first for ``data``'s type whose lanes
+    divide ``O`` and which is exact for ``w``'s range, weights packed for it with ``rows`` (the
+    register tile's axis) deciding the output block, the offset correction when the activations
+    change type. None when no instruction fits."""
+    dtype = str(data.ty.dtype)
+    instruction = dot_instruction(w.shape[0], int(np.abs(w.astype(np.int32)).max()), dtype)
     if instruction is None:
         return None
     ob = output_block(rows, w.shape[0], instruction)
-    offset = instruction.data_offset(str(data.ty.dtype))
+    offset = instruction.data_offset(dtype)
     packed = relax.const(pack_weights(w, ob, instruction))
     fix = correction(w, offset)
     operands = (data, packed) if fix is None else (data, packed, fix)
@@ -290,11 +297,12 @@ def dot_kernel(bb: relax.BlockBuilder, kernel, name: str, data, w: np.ndarray, r
 
 
 def legalize_conv2d_int8(bb: relax.BlockBuilder, call: relax.Call):
-    """NHWC/OHWI 8-bit conv2d with constant int8 weights → a dot-product or depthwise kernel."""
+    """NHWC/OHWI 8-bit or int16 conv2d with constant int8 weights → a dot-product or depthwise
+    kernel."""
     attrs = call.attrs
     data, weight = call.args
     layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout)
-    if layouts != ("NHWC", "OHWI", "NHWC") or not is_int8(call):
+    if layouts != ("NHWC", "OHWI", "NHWC") or not is_integer(call):
         return default_legalize(bb, call)
     w = weight.value.numpy()  # [O, KH, KW, I / groups]
     out_ch, in_per_group = w.shape[0], w.shape[-1]

@@ -1,12 +1,13 @@
-"""Integer dense / matmul (8-bit activations × a constant int8 ``[K, N]`` → int32) on the target's
-dot-product instruction.
+"""Integer dense / matmul (8-bit or int16 activations × a constant int8 ``[K, N]`` → int32) on
+the target's dot-product instruction.
 
-Legalization: ``matmul(x[…, K], W[K, N], out_dtype="int32")`` with ``x`` uint8 or int8 and a
-constant int8 ``W`` becomes ``dense_int8``: the activations staged into the instruction's type
-and ``K`` padded to its depth (:func:`~.conv2d_int8.stage`, with the same exact ±128 offset
-correction as the conv), ``W`` packed at build time to ``[N/nb, K/depth, nb·depth]`` so one
-instruction reads ``lanes × depth`` contiguous weights. Other integer matmuls keep TVM's
-legalization (and the FP32 rule's schedule, :mod:`.dense`, which does not mind the dtype).
+Legalization: ``matmul(x[…, K], W[K, N], out_dtype="int32")`` with ``x`` uint8, int8 or int16 and a
+constant int8 ``W`` becomes ``dense_int8``: the activations staged into the instruction's type and
+``K`` padded to its depth (:func:`~.conv2d_int8.stage`, with the same exact ±128 offset correction
+as the conv; int16 activations, on the int16 pairs, need neither for an even ``K``), ``W`` packed at
+build time to ``[N/nb, K/depth, nb·depth]`` so one instruction reads ``lanes × depth`` contiguous
+weights. Other integer matmuls keep TVM's legalization (and the FP32 rule's schedule, :mod:`.dense`,
+which does not mind the dtype).
 
 Schedule, loops ``batch…, m, n, k``: all leading axes form one ``M`` (the weights are shared);
 register tile ``Tm × nb`` (``m`` unrolled, ``nb`` in whole instructions), the reduction outside
@@ -26,7 +27,7 @@ from rangeprof.profiler.build.schedules.conv2d_int8 import (
     corrected,
     dot_kernel,
     finish_dot_tile,
-    is_int8,
+    is_integer,
     stage,
 )
 from rangeprof.profiler.build.schedules.dot import INSTRUCTION, chosen_instruction
@@ -60,9 +61,10 @@ def dense_int8(data, weight, *offset_fix, instruction, offset):
 
 
 def legalize_matmul_int8(bb: relax.BlockBuilder, call: relax.Call):
-    """8-bit ``matmul`` with a constant int8 ``[K, N]`` right operand → ``dense_int8``."""
+    """8-bit or int16 ``matmul`` with a constant int8 ``[K, N]`` right operand →
+    ``dense_int8``."""
     data, weight = call.args
-    if is_int8(call) and data.ty.ndim >= 2 and weight.ty.ndim == 2:
+    if is_integer(call) and data.ty.ndim >= 2 and weight.ty.ndim == 2:
         rows = 1
         for dim in data.ty.shape.values[:-1]:
             rows *= int(dim)

@@ -10,6 +10,15 @@ by :func:`dot_instruction`): AVX-512 VNNI ``vpdpbusd`` (u8 × s8, 4 products per
 NEON ``sdot`` (s8 × s8), and on AVX2 either ``vpmaddubsw`` + ``vpmaddwd`` (u8 × s8, 4
 products per lane, exact only for weights within ±64: 7-bit weights) or ``vpmaddwd`` alone
 (int16 pairs, exact for every int8 weight).
+
+int16 activations (the quantizer's fallback for layers too sensitive for 8 bits, symmetric)
+fit no 8-bit product: :func:`dot_instruction` gives them the target's int16 pairs, the
+instructions depthwise convs pair their taps with (:func:`pair_instruction`: AVX-512 VNNI
+``vpdpwssd``, AVX-512 BW or AVX2 ``vpmaddwd``), exact for every int8 weight (a pair sums at
+most 2 · 32768 · 128 < 2^31) and read without any conversion. Their lanes (16 or 8) must divide
+the output channels. NEON has none (``sdot`` is 8-bit only): there int16 dense convs and matmuls
+keep TVM's legalization, correct but slow (on a Zen 3 EPYC 2–25× slower than the pairs);
+depthwise convs take the widening multiply-add kernel, as 8-bit ones do.
 """
 
 from __future__ import annotations
@@ -176,10 +185,16 @@ def dot_instructions(target: tvm.target.Target | None = None) -> tuple[DotInstru
 
 
 def dot_instruction(
-    channels: int, max_weight: int = 128, target: tvm.target.Target | None = None
+    channels: int,
+    max_weight: int = 128,
+    data_dtype: str = "uint8",
+    target: tvm.target.Target | None = None,
 ) -> DotInstruction | None:
-    """The first dot instruction of the target (widest, fastest first) whose lanes divide
-    ``channels`` and which is exact for weights up to ``max_weight`` in magnitude, else None."""
+    """The first dot instruction of the target (widest, fastest first) for ``data_dtype``
+    activations whose lanes divide ``channels`` and which is exact for weights up to
+    ``max_weight`` in magnitude, else None. int16 activations take the int16 pairs."""
+    if _bytes(data_dtype) == 2:
+        return pair_instruction(channels, target)
     return next(
         (
             d
@@ -195,7 +210,8 @@ def pair_instruction(
 ) -> DotInstruction | None:
     """The widest instruction of ``target`` (x86) that multiplies-adds two int16 products per
     int32 lane and whose lanes divide ``channels``, else None: depthwise convs pair their taps
-    with it (``vpdpwssd`` on AVX-512 VNNI, ``vpmaddwd`` on AVX-512 BW or AVX2)."""
+    with it, int16 activations take it as their dot instruction (``vpdpwssd`` on AVX-512 VNNI,
+    ``vpmaddwd`` on AVX-512 BW or AVX2)."""
     target = target or tvm.target.Target.current()
     if target is None or str(target.kind) != "llvm":
         return None

@@ -15,10 +15,10 @@ Order of passes, and why:
    trips ``ConvertLayout`` wraps them in; :data:`~.prepare.pad_int8_channels`
    pads the input channels of unpadded int8 convs (RGB images) to 4.
 4. ``LegalizeOps`` with our conv2d and matmul legalizations (weights repacked in numpy, at build
-   time), chosen by dtype: float32 (:mod:`.conv2d`, :mod:`.dense`) or 8-bit activations × int8
-   constant weights → int32 (:mod:`.conv2d_int8`, :mod:`.dense_int8`), and the int64
-   requantization arithmetic in 32-bit instructions (:mod:`.requantize`). ``FuseOps`` /
-   ``FuseTIR`` then keep elementwise epilogues in the conv / dense kernels.
+   time), chosen by dtype: float32 (:mod:`.conv2d`, :mod:`.dense`) or 8-bit or int16 activations ×
+   int8 constant weights → int32 (:mod:`.conv2d_int8`, :mod:`.dense_int8`), and the int64
+   requantization arithmetic in 32-bit instructions (:mod:`.requantize`). ``FuseOps`` / ``FuseTIR``
+   then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it
    (:mod:`.conv2d`, :mod:`.conv2d_int8`, :mod:`.dense_int8`, :mod:`.dense`, :mod:`.pooling`),
    else the generic schedule of :mod:`.elementwise`; :data:`~.dot.lower_dot_blocks` turns the
@@ -38,7 +38,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
 from rangeprof.profiler.build.schedules.conv2d import legalize_conv2d, schedule_conv2d
 from rangeprof.profiler.build.schedules.conv2d_int8 import (
-    is_int8,
+    is_integer,
     legalize_conv2d_int8,
     schedule_conv2d_int8,
 )
@@ -114,10 +114,11 @@ def apply_schedules(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 
 def _by_dtype(fp32, int8):
-    """One legalization per operator: the integer one for 8-bit × constant int8 → int32 calls."""
+    """One legalization per operator: the integer one for 8-bit or int16 × constant int8 →
+    int32 calls."""
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call):
-        return (int8 if is_int8(call) else fp32)(bb, call)
+        return (int8 if is_integer(call) else fp32)(bb, call)
 
     return legalize
 

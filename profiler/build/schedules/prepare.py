@@ -5,11 +5,11 @@
   after ``ConvertLayout``, which has no layout rule for them and wraps each in a round trip to
   NCHW): elementwise again, FuseOps can fuse them into the kernel that produces their input
   (ResNet-18 INT8 1.5 % faster).
-* **Input channels of unpadded int8 convs to a multiple of 4** (:data:`pad_int8_channels`,
-  after the layout rewrite): a 3-channel image would otherwise be copied into a 4-channel stage
-  inside the conv kernel, element by element (the dot instructions multiply groups of 4); as a
-  ``pad`` of the graph FuseOps fuses it into the kernel producing the image, and the zero
-  weights of the new channel keep the sums exact.
+* **Input channels of unpadded integer convs to a multiple of 4** (:data:`pad_int8_channels`, after
+  the layout rewrite): a 3-channel image would otherwise be copied into a 4-channel stage inside the
+  conv kernel, element by element (the dot instructions multiply groups of 4, or 2 of int16); as a
+  ``pad`` of the graph FuseOps fuses it into the kernel producing the image, and the zero weights of
+  the new channel keep the sums exact.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from rangeprof.profiler.build.schedules.conv2d_int8 import is_int8
+from rangeprof.profiler.build.schedules.conv2d_int8 import is_integer
 from rangeprof.profiler.ir.spans import ids_of, with_ids
 
 # The depth of the widest dot instructions (vpdpbusd, vpmaddubsw, sdot): 4 products per lane.
@@ -69,7 +69,7 @@ def _pad_channels(func: relax.Function) -> relax.Function:
         call = matches[conv]
         attrs = call.attrs
         layouts = (attrs.data_layout, attrs.kernel_layout)
-        if layouts != ("NHWC", "OHWI") or attrs.groups != 1 or not is_int8(call):
+        if layouts != ("NHWC", "OHWI") or attrs.groups != 1 or not is_integer(call):
             return expr
         channels = int(matches[data].ty.shape[3])
         extra = -channels % CHANNEL_GROUP
@@ -87,8 +87,8 @@ def _pad_channels(func: relax.Function) -> relax.Function:
 
 @tvm.transform.module_pass(opt_level=0, name="PadInt8Channels")
 def pad_int8_channels(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """An NHWC 8-bit conv with constant int8 weights, no padding and input channels that are no
-    multiple of 4 convolves a zero-padded input with zero-padded weights instead."""
+    """An NHWC 8-bit or int16 conv with constant int8 weights, no padding and input channels that
+    are no multiple of 4 convolves a zero-padded input with zero-padded weights instead."""
     mod = mod.clone()
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
