@@ -4,7 +4,8 @@
 ``relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())``) and ``DIR/manifest.json``
 says what is in it: the model (name, sha256), the target and its quantization policy, the
 calibration the qparams came from, every region with its profileIDs, its input / output qparams
-its mode (``int8``, or ``fp32`` with the reason) and what the target made of it (the npu's
+its mode (``int8``, ``int16`` for a layer an accuracy budget widened, or ``fp32`` with the
+reason) and what the target made of it (the npu's
 tile plan), the library's sha256 and the timings.
 """
 
@@ -15,17 +16,22 @@ import json
 import time
 from pathlib import Path
 
-from .lowering import FP32, INT8
+from .evaluate import region_mode
 from .quantized import QuantizedModel
 
 LIBRARY = "model.so"
 MANIFEST = "manifest.json"
 
 
-def build_artifact(qm: QuantizedModel, out_dir: Path, kept_fp32: frozenset[str] = frozenset()):
+def build_artifact(
+    qm: QuantizedModel,
+    out_dir: Path,
+    kept_fp32: frozenset[str] = frozenset(),
+    kept_int16: frozenset[str] = frozenset(),
+):
     """Compiles ``qm`` for its plugin's target into ``out_dir``; returns the manifest."""
     start = time.perf_counter()
-    modes = {r.name: FP32 if r.fallback or r.output_id in kept_fp32 else INT8 for r in qm.regions}
+    modes = {r.name: region_mode(r, kept_fp32, kept_int16) for r in qm.regions}
     mod, _ = qm.lower(modes)
     executable = qm.plugin.compile(mod)
     compiled = time.perf_counter()
@@ -36,12 +42,14 @@ def build_artifact(qm: QuantizedModel, out_dir: Path, kept_fp32: frozenset[str] 
     details = qm.plugin.describe(mod) if qm.plugin.describe else {}
     for region in manifest["regions"]:
         region["mode"] = modes[region["name"]]
-        if f"{region['name']}_int8" in details:
-            region["target"] = details[f"{region['name']}_int8"]
+        core = f"{region['name']}_{region['mode']}"
+        if core in details:
+            region["target"] = details[core]
     manifest.update(
         library=LIBRARY,
         library_sha256=hashlib.sha256(library.read_bytes()).hexdigest(),
         kept_fp32=sorted(kept_fp32),
+        kept_int16=sorted(kept_int16 - kept_fp32),
         timings={
             "compile_s": round(compiled - start, 3),
             "export_s": round(time.perf_counter() - compiled, 3),

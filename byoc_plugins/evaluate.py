@@ -13,8 +13,10 @@ Per layer: SQNR ``10·log10(Σ ref² / Σ (ref − q)²)`` in dB over all sample
 units of the layer's output scale (1/√12 ≈ 0.29 is pure rounding). Per model: SQNR of the first
 output, top-1 agreement between FP32 and INT8, and top-1 accuracy of both with labels.
 
-:func:`fit_budget` keeps the most sensitive layers (lowest isolated SQNR first) in FP32 until the
-top-1 drop (or, without labels, the disagreement) is within a budget in points.
+:func:`fit_budget` widens the most sensitive layers (lowest isolated SQNR first) until the
+top-1 drop (or, without labels, the disagreement) is within a budget in points: to int16
+activations first where the policy has them, then, if every layer on int16 is not enough, to
+FP32 in the same order.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tvm import relax
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.data import model_inputs, open_data
 
-from .lowering import FP32, INT8, SHADOW
+from .lowering import FP32, INT8, INT16, SHADOW
 from .quantized import QuantizedModel
 
 Progress = Callable[[str, int, int], None]
@@ -102,6 +104,7 @@ class Evaluation:
     int8_correct: int | None
     layers: list[LayerError]
     kept_fp32: list[str] = field(default_factory=list)  # profileIDs of regions kept in FP32
+    kept_int16: list[str] = field(default_factory=list)  # ... run on int16 activations
 
     @property
     def agreement(self) -> float:
@@ -133,6 +136,7 @@ class Evaluation:
             "output_sqnr_db": _db(self.output.sqnr_db),
             "layers": [e.to_json() for e in self.ranked()],
             "kept_fp32": self.kept_fp32,
+            "kept_int16": self.kept_int16,
         }
         if self.fp32_correct is not None:
             doc["fp32_top1"] = round(self.fp32_top1, 3)
@@ -200,9 +204,11 @@ def evaluate(
     kept_fp32: frozenset[str] = frozenset(),
     progress: Progress | None = None,
     compiled: dict | None = None,
+    kept_int16: frozenset[str] = frozenset(),
 ) -> Evaluation:
     """FP32 vs INT8 on ``data`` (a :func:`rangeprof.profiler.profiling.data.open_data` spec);
-    regions whose output profileID is in ``kept_fp32`` stay FP32. ``compiled`` caches programs
+    regions whose output profileID is in ``kept_fp32`` stay FP32, those in ``kept_int16`` run
+    on int16 activations. ``compiled`` caches programs
     across calls: the FP32 and shadow programs do not depend on ``kept_fp32``, and the FP32 one not
     on the qparams either (:meth:`~rangeprof.byoc.quantized.QuantizedModel.replanned` models share
     it)."""
@@ -210,7 +216,7 @@ def evaluate(
     if labels is not None and len(labels) < source.num_samples:
         raise RangeprofError(f"{len(labels)} labels for {source.num_samples} samples")
     quantizable = [r for r in qm.regions if r.fallback is None]
-    modes = {r.name: FP32 if r.output_id in kept_fp32 else INT8 for r in quantizable}
+    modes = {r.name: region_mode(r, kept_fp32, kept_int16) for r in quantizable}
     stages = [
         ("fp32", {r.name: FP32 for r in qm.regions}),
         ("int8", modes),
@@ -256,7 +262,15 @@ def evaluate(
         int8_correct=int8_ok if labels is not None else None,
         layers=layers,
         kept_fp32=sorted(kept_fp32),
+        kept_int16=sorted(kept_int16 - kept_fp32),
     )
+
+
+def region_mode(region, kept_fp32: frozenset[str], kept_int16: frozenset[str]) -> str:
+    """The mode of a region given the profileIDs kept in FP32 and on int16 (FP32 wins)."""
+    if region.fallback or region.output_id in kept_fp32:
+        return FP32
+    return INT16 if region.output_id in kept_int16 else INT8
 
 
 def fit_budget(
@@ -268,13 +282,33 @@ def fit_budget(
     progress: Progress | None = None,
     compiled: dict | None = None,
 ) -> Evaluation:
-    """The evaluation with the fewest regions kept FP32 (most sensitive first) whose drop is
-    within ``budget`` points; all of them FP32 is the last resort."""
+    """The evaluation with the fewest regions widened (most sensitive first) whose drop is
+    within ``budget`` points; all of them FP32 is the last resort. A region is tried on int16
+    activations first where the policy has them, and kept in FP32 instead only if that lowers
+    the drop further: int16 removes rounding error, not the clipping of a badly calibrated
+    range (which FP32 removes)."""
     compiled = {} if compiled is None else compiled
     result = evaluate(qm, data, labels, samples, progress=progress, compiled=compiled)
-    ranking = [e.profile_id for e in result.ranked()]
-    kept: list[str] = []
-    while result.drop > budget and len(kept) < len(ranking):
-        kept.append(ranking[len(kept)])
-        result = evaluate(qm, data, labels, samples, frozenset(kept), progress, compiled)
+    wide = qm.plugin.policy.wide_activations is not None
+    weighted = {r.output_id for r in qm.regions if r.float_region.weight is not None}
+    kept: dict[str, frozenset[str]] = {INT16: frozenset(), FP32: frozenset()}
+
+    def trial(mode: str, profile_id: str) -> tuple[dict, Evaluation]:
+        tried = {m: ids - {profile_id} for m, ids in kept.items()}
+        tried[mode] |= {profile_id}
+        return tried, evaluate(
+            qm, data, labels, samples, tried[FP32], progress, compiled, tried[INT16]
+        )
+
+    for profile_id in [e.profile_id for e in result.ranked()]:
+        if result.drop <= budget:
+            break
+        previous = result
+        if wide and profile_id in weighted:
+            kept, result = trial(INT16, profile_id)
+            if result.drop < previous.drop:
+                continue
+        tried, fp32 = trial(FP32, profile_id)
+        if fp32.drop < result.drop or result is previous:
+            kept, result = tried, fp32
     return result

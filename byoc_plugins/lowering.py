@@ -22,11 +22,14 @@ How the core is compiled is the target's business: inline in ``main`` for the LL
 aarch64: :mod:`rangeprof.profiler.build.schedules` gives the integer convolutions their kernels), or
 as a function of its own marked ``Codegen`` for an external code generator (npu).
 
-Modes per region: ``int8``; ``fp32`` (the composite's FP32 body inline: a fallback, or the FP32
-reference); ``shadow`` (FP32 downstream, and the INT8 core computed on the same FP32 input on the
-side: one build measures every layer's *isolated* error). With ``expose``, ``main`` returns
-``(outputs, *region outputs)`` — the dequantized INT8 output of each int8 / shadow region, the
-FP32 output of each fp32 region — in region order. Inlined bindings carry the region's
+Modes per region: ``int8``; ``int16`` (where the policy has wide activations: the input
+quantized to its int16 grid and clamped to the levels :func:`~.policy.wide_input` allows, the
+same core on it, the output in FP32 — or requantized to int16 by integer-only targets);
+``fp32`` (the composite's FP32 body inline: a fallback, or the FP32 reference); ``shadow``
+(FP32 downstream, and the INT8 core computed on the same FP32 input on the side: one build
+measures every layer's *isolated* error). With ``expose``, ``main`` returns ``(outputs, *region
+outputs)`` — the dequantized output of each int8 / int16 / shadow region, the FP32 output of
+each fp32 region — in region order. Inlined bindings carry the region's
 profileIDs, so lineage holds through the lowered IR.
 """
 
@@ -51,11 +54,12 @@ from .policy import (
     int32_bias,
     output_clamp,
     quantize_weights,
+    wide_input,
 )
 from .regions import Region
 
-INT8, FP32, SHADOW = "int8", "fp32", "shadow"
-MODES = (INT8, FP32, SHADOW)
+INT8, INT16, FP32, SHADOW = "int8", "int16", "fp32", "shadow"
+MODES = (INT8, INT16, FP32, SHADOW)
 _LOWERED = "main__lowered"
 
 
@@ -64,13 +68,20 @@ def _const(value, dtype: str) -> relax.Constant:
 
 
 def integer_core(
-    region: Region, policy: QuantPolicy, in_shape, name: str, integer_output: bool = True
+    region: Region,
+    policy: QuantPolicy,
+    in_shape,
+    name: str,
+    integer_output: bool = True,
+    x: ActivationQ | None = None,
+    y: ActivationQ | None = None,
 ) -> relax.Function:
     """The region's integer computation as a function of its quantized input; without
     ``integer_output`` the int32 accumulator is scaled to FP32 (``s_x · s_c · acc``) instead of
-    requantized, for a region whose consumers are FP32 operators."""
+    requantized, for a region whose consumers are FP32 operators. ``x`` and ``y`` replace the
+    region's own input and output qparams (its int16 ones)."""
     fr = region.float_region
-    x, y = region.input, region.output
+    x, y = x or region.input, y or region.output
     wq, w_scales = quantize_weights(fr.weight, fr.channel_axis, policy, fr.bias, x.scale)
     bias = int32_bias(fr.bias, wq, fr.channel_axis, x, w_scales)
     channels = wq.shape[fr.channel_axis]
@@ -270,7 +281,9 @@ class _Lowerer:
         for var, region in calls.items():
             users = consumers.get(var, [])
             quantized_users = all(
-                user is not None and self._mode(user) != FP32 and user.input == region.output
+                user is not None
+                and self._mode(user) in (INT8, SHADOW)
+                and user.input == region.output
                 for user in users
             )
             if self.policy.integer_outputs or (users and quantized_users):
@@ -285,12 +298,35 @@ class _Lowerer:
             core = batch_matmul_core(region, self.policy, shapes, name, integer)
         else:
             core = integer_core(region, self.policy, shapes[0], name, integer)
+        return self._emit_core(core, name, operands, region.profile_ids)
+
+    def _emit_core(self, core: relax.Function, name: str, operands: list, ids) -> relax.Expr:
+        """``core`` applied to ``operands``: inline, or called for the external codegen."""
         if self.external is None:
-            return _inline(self.bb, core, operands, region.profile_ids, None)
+            return _inline(self.bb, core, operands, ids, None)
         attrs = {"Codegen": self.external, "global_symbol": name}
         gvar = self.bb.add_func(core.with_attrs(attrs), name)
         call = self.bb.normalize(relax.Call(gvar, operands))
-        return self.bb.emit(with_ids(call, region.profile_ids))
+        return self.bb.emit(with_ids(call, ids))
+
+    def _int16(self, region: Region, args, result: relax.Var) -> relax.Expr:
+        """The region on int16 activations (see the module doc)."""
+        fr, ids = region.float_region, region.profile_ids
+        if fr.weight is None or not self.policy.wide_activations:
+            raise ValueError(f"{region.name} cannot run on int16 activations")
+        x, levels = wide_input(region.input, fr.weight, fr.channel_axis, self.policy)
+        xq = self.bb.emit(_boundary(self.bb, relax.op.quantize, args[0], x, ids, x.dtype))
+        xq = self.bb.emit(with_ids(relax.op.clip(xq, -levels, levels), ids))  # symmetric
+        integer = self.policy.integer_outputs
+        y = region.output.symmetric(x.dtype) if integer else None
+        shape = [int(d) for d in xq.ty.shape.values]
+        name = f"{region.name}_{x.dtype}"
+        core = integer_core(region, self.policy, shape, name, integer, x, y)
+        out = self._emit_core(core, name, [xq], ids)
+        if integer:
+            out = _boundary(self.bb, relax.op.dequantize, out, y, ids, "float32")
+        self.bb.emit_normalized(relax.VarBinding(result, out))
+        return result
 
     def _quantized(self, data, q: ActivationQ, ids) -> relax.Expr:
         """``data`` in ``q``'s integers: the 8-bit output of the region that computed it when
@@ -331,6 +367,8 @@ class _Lowerer:
         func = self.mod[value.op]
         if mode == INT8:
             out = self._int8(region, value.args, binding.var)
+        elif mode == INT16:
+            out = self._int16(region, value.args, binding.var)
         else:
             out = _inline(self.bb, func, value.args, region.profile_ids, binding.var)
             if mode == SHADOW:

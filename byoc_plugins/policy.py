@@ -30,12 +30,18 @@ The formulas (``q = round(x / s) + z``, ``x = s · (q − z)``):
   for bit, as x86 with the npu's policy and the npu do).
 * ``power_of_two``: every scale is a power of two, so ``M_c = 2^30`` and requantization is a
   shift (shift-only hardware).
+* **int16 activations** (``wide_activations``), for the layers an accuracy budget would
+  otherwise keep in FP32: the input's 8-bit range on a symmetric int16 grid (``z = 0``) with
+  the int8 weights, the accumulator still int32. Its levels are capped so that it cannot
+  overflow: ``max_c Σ|w_c| · q_max ≤ 2^30`` (:func:`wide_input`), the bias being within 2^30
+  units already — a 3×3×64 conv of typical weights keeps all 32767 levels, 256 times the 8-bit
+  resolution.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,7 +54,8 @@ REQUANTIZE = (FIXED_POINT, FLOAT)
 # Scaled accumulators stay this far inside int32, float32 rounding of the scale included.
 _FLOAT_LIMIT = 2.0**30
 _INT32 = np.iinfo(np.int32)
-_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+_RANGES = {"uint8": (0, 255), "int8": (-128, 127), "int16": (-32768, 32767)}
+EIGHT_BITS = ("uint8", "int8")
 
 
 @dataclass(frozen=True)
@@ -64,12 +71,16 @@ class QuantPolicy:
     integer_outputs: bool = False
     weight_bits: int = 8  # 8: weights in [-127, 127]; 7: in [-63, 63]
     requantize: str = FIXED_POINT  # or FLOAT (see the module doc)
+    # The activation type of layers too sensitive for 8 bits ("int16"), or None: FP32 then.
+    wide_activations: str | None = None
 
     def __post_init__(self):
         if self.weight_bits not in WEIGHT_BITS:
             raise RangeprofError(f"weight bits must be 7 or 8, not {self.weight_bits}")
         if self.requantize not in REQUANTIZE:
             raise RangeprofError(f"requantize must be one of {REQUANTIZE}, not {self.requantize!r}")
+        if self.wide_activations not in (None, "int16"):
+            raise RangeprofError(f"wide activations must be int16, not {self.wide_activations!r}")
 
     @property
     def weight_max(self) -> int:
@@ -99,6 +110,11 @@ class QuantPolicy:
                 else "int32 multiplier + shift"
             )
             + (" (power-of-two scales)" if self.power_of_two else ""),
+            **(
+                {"sensitive_layers": f"sym {self.wide_activations} activations"}
+                if self.wide_activations
+                else {}
+            ),
         }
 
 
@@ -123,7 +139,7 @@ class ActivationQ:
     def from_entry(cls, entry: dict) -> ActivationQ:
         """From a QPARAMS document entry; only per-tensor 8-bit entries fit 8-bit kernels."""
         pid = entry["profile_id"]
-        if entry["dtype"] not in _RANGES:
+        if entry["dtype"] not in EIGHT_BITS:
             raise RangeprofError(
                 f"qparams of {pid!r} are {entry['dtype']}; 8-bit kernels need int8 or uint8"
             )
@@ -184,6 +200,21 @@ def quantize_weights(
     shape[axis] = -1
     q = np.clip(np.round(w / scales.reshape(shape)), -policy.weight_max, policy.weight_max)
     return q.astype(np.int8), scales
+
+
+def wide_input(
+    x: ActivationQ, w: np.ndarray, axis: int, policy: QuantPolicy
+) -> tuple[ActivationQ, int]:
+    """``x``'s range on the policy's wide (int16) symmetric grid and the levels ``q_max`` it
+    may use (inputs are clamped to ``±q_max``): at most those that keep ``max_c Σ|w_c| · q_max``
+    within 2^30 (weights quantized as the policy does, without the bias floor of
+    :func:`quantize_weights`, which can only shrink them)."""
+    wq, _ = quantize_weights(w, axis, policy)
+    channels = wq.shape[axis]
+    sums = np.abs(np.moveaxis(wq.astype(np.int64), axis, 0).reshape(channels, -1)).sum(axis=1)
+    wide = x.symmetric(policy.wide_activations)
+    levels = min(wide.qmax, int(_BIAS_UNITS // max(int(sums.max()), 1)))
+    return replace(wide, scale=wide.scale * wide.qmax / levels), levels
 
 
 def fixed_point(multiplier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

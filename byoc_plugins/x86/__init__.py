@@ -7,8 +7,9 @@ the target: ``vpdpbusd`` (AVX-512 VNNI) where the CPU has it; on AVX2 ``vpmaddub
 weight of the layer is within ±64 (``get_plugin("x86", weight_bits=7)``, ``--weight-bits 7``), else
 ``vpmaddwd``. Activations are asymmetric uint8 (the unsigned operand of ``vpdpbusd`` and
 ``vpmaddubsw``), weights symmetric int8 per channel, requantization in float32 (the policy's
-``float``: AVX2 has no 64-bit multiply for fixed point). Operators outside the pattern table stay
-FP32 between quantize / dequantize."""
+``float``: AVX2 has no 64-bit multiply for fixed point). Layers an accuracy budget finds too
+sensitive run on int16 activations first (``vpmaddwd`` / ``vpdpwssd``), FP32 only if that is not
+enough. Operators outside the pattern table stay FP32 between quantize / dequantize."""
 
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ def _compile(mod):
 PLUGIN = Plugin(
     name="x86",
     description="INT8 conv2d / dense for the host CPU, LLVM (AVX-512 VNNI or AVX2)",
-    policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8", requantize=FLOAT),
+    policy=QuantPolicy(
+        activation_scheme="asym",
+        activation_dtype="uint8",
+        requantize=FLOAT,
+        wide_activations="int16",
+    ),
     patterns=lambda: pattern_table("rangeprof_x86", (*WEIGHTED, BATCH_MATMUL)),
     target=host_target,
     compile=_compile,
