@@ -258,3 +258,52 @@ def test_cli_needs_the_model_and_writes_one_onnx_loads(profiled, tmp_path):
     other = next(zoo_model(n) for n in CASES if n != profiled.name)
     wrong = CliRunner().invoke(app, [*args, "--model", str(other)])
     assert wrong.exit_code == 2 and "not the profiled model" in wrong.output
+
+
+def test_matmuls_of_two_activations_get_a_pair_on_each_operand(tmp_path):
+    """Attention's ``Q·Kᵀ``: both operands paired, the second on the symmetric int8 grid the x86
+    build multiplies it on; ONNX Runtime's outputs on the export are our INT8 build's."""
+    from onnx import helper
+
+    from rangeprof.byoc.evaluate import program
+    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+
+    from onnx_builders import save, single_io_model
+
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"], name="q"),
+        helper.make_node("Transpose", ["x"], ["xt"], name="xt", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "xt"], ["y"], name="scores"),
+    ]
+    weights = {"wq": rng.normal(size=(16, 16)) / 4}
+    path = save(single_io_model(nodes, weights, (1, 8, 16), (1, 8, 8)), tmp_path)
+    doc = profiling.profile(ProfileRequest(model=path, data="random", samples=32))
+    exported = qdq_model(onnx.load(path), doc, X86)
+    onnx.checker.check_model(exported, full_check=True)
+    scores = next(n for n in exported.graph.node if n.name == "scores")
+    pairs = {n.output[0]: n for n in exported.graph.node if n.op_type == "DequantizeLinear"}
+    a, b = (pairs[name] for name in scores.input)
+    init = {t.name: numpy_helper.to_array(t) for t in exported.graph.initializer}
+    assert init[a.input[2]].dtype == np.uint8
+    assert init[b.input[2]].dtype == np.int8 and int(init[b.input[2]]) == 0
+
+    x86 = get_plugin("x86")
+    qm = quantize_model(path, qparams_from_profile(doc, x86, "max", 99.99), x86)
+    (matmul,) = [r for r in qm.regions if r.float_region.kind == "batch_matmul"]
+    assert matmul.operand.scale == pytest.approx(float(init[b.input[1]]), rel=1e-6)
+    x = rng.normal(size=(4, 1, 8, 16)).astype(np.float32)
+    # The QDQ semantics, unfused: on AVX2, ORT's fused u8 × s8 kernels saturate int16 pair
+    # sums with full-range int8 weights (ORT's reduce_range), off by 10 % here on `q`.
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        exported.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    ours = program(qm, "int8", {}, {})
+    for sample in x:
+        theirs = session.run(None, {"x": sample})[0]
+        got, _ = ours.run([sample])
+        # Same integers up to float rounding of the scales: a last-place difference of the
+        # output's 8-bit grid at most.
+        assert np.abs(got - theirs).max() <= 1e-3 * np.abs(theirs).max()

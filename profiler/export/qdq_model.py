@@ -2,11 +2,15 @@
 ``QuantizeLinear`` / ``DequantizeLinear`` where rangeprof's INT8 build quantizes.
 
 The placement is that of ONNX Runtime's ``quantize_static`` (QDQ format) and TensorRT's explicit
-quantization, restricted to the operators every rangeprof target computes in integers: ``Conv``,
+quantization, restricted to the operators rangeprof's x86 target computes in integers: ``Conv``,
 ``Gemm`` and ``MatMul`` with a constant weight (ORT's ``QLinearConv`` / ``QGemm`` /
-``QLinearMatMul`` node units). ORT's registry also quantizes ``Add``, ``Mul``, pooling,
-``Concat``…, which ``rangeprof build`` keeps FP32: with those, ppocr_cls's ORT outputs agree
-with the build's on 97.75 % of the samples instead of 98.75 %. So:
+``QLinearMatMul`` node units), and ``MatMul`` of two activations (attention), whose second
+operand is paired **symmetric int8**, on the grid the x86 build multiplies it on. (On AVX2,
+ONNX Runtime's fused u8 × s8 kernels add pairs of products in int16 with saturation,
+``vpmaddubsw``: with full-range int8 weights its outputs leave the QDQ semantics — ORT's
+``reduce_range`` — which its unfused execution and our build keep.) ORT's registry also quantizes
+``Add``, ``Mul``, pooling, ``Concat``…, which ``rangeprof build`` keeps FP32: with those,
+ppocr_cls's ORT outputs agree with the build's on 97.75 % of the samples instead of 98.75 %. So:
 
 * an **activation** read by such an operator gets a pair ``x → QuantizeLinear → DequantizeLinear``
   on that edge (one pair per tensor, whichever quantized operators read it); other readers keep
@@ -72,6 +76,7 @@ def qdq_model(
         )
     weight_options = replace(options, scheme="sym", dtype="int8")
     params: dict[str, QParams] = {}
+    operands: dict[str, QParams] = {}  # activations as a MatMul's second operand
     static: set[str] = set()
     for entry in profile["tensors"]:
         name = entry["source_tensor"]
@@ -81,10 +86,12 @@ def qdq_model(
         params[name] = qparams_for(entry, weight_options if is_static else options)
         if is_static:
             static.add(name)
+        elif params[name].axis is None:
+            operands[name] = _operand(params[name])
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    out = _with_opset(out, _Rewriter(out.graph, params, static).needed_opset())
-    _Rewriter(out.graph, params, static).run()
+    out = _with_opset(out, _Rewriter(out.graph, params, static, operands).needed_opset())
+    _Rewriter(out.graph, params, static, operands).run()
     return out
 
 
@@ -108,7 +115,13 @@ def _with_opset(model: onnx.ModelProto, needed: int) -> onnx.ModelProto:
 class _Rewriter:
     """Inserts the pairs into a graph in place, each in front of the first node that reads it."""
 
-    def __init__(self, graph: onnx.GraphProto, params: dict[str, QParams], static: set[str]):
+    def __init__(
+        self,
+        graph: onnx.GraphProto,
+        params: dict[str, QParams],
+        static: set[str],
+        operands: dict[str, QParams],
+    ):
         self.graph = graph
         self.nodes = list(graph.node)  # held: the ids below name these very objects
         self.params = params
@@ -130,6 +143,17 @@ class _Rewriter:
             and len(node.input) > 1
             and (node.input[1] in self.weights or node.input[1] in static)
         }
+        # MatMuls of two profiled activations: the second one on its symmetric int8 grid.
+        self.operands = {
+            id(node): operands[node.input[1]]
+            for node in self.nodes
+            if node.op_type == "MatMul"
+            and node.domain in _DOMAINS
+            and id(node) not in self.quantized
+            and node.input[0] in operands
+            and node.input[1] in operands
+        }
+        self.quantized |= set(self.operands)
         self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
         for node in self.nodes:
             for k, name in enumerate(node.input):
@@ -178,6 +202,8 @@ class _Rewriter:
         for k in inputs:
             name = node.input[k] if k < len(node.input) else ""
             p = self.params.get(name)
+            if k == 1 and id(node) in self.operands:
+                p = self.operands[id(node)]
             if p is None:
                 continue
             if name in self.weights:
@@ -269,6 +295,14 @@ class _Rewriter:
         node.input[index] = self._integer(name, q.astype(np.int32), scale, zero, axis)
         if beta is not None:
             beta.f = 1.0
+
+
+def _operand(p: QParams) -> QParams:
+    """An activation's per-tensor range on the symmetric int8 grid, as the x86 build derives it
+    from the activation's qparams: ``max(|lo|, |hi|) / 127``."""
+    lo, hi = p.range
+    scale = max(-lo, hi) / 127 or 1.0
+    return replace(p, dtype="int8", scale=scale, zero_point=0, range=(-127 * scale, 127 * scale))
 
 
 def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
