@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from rangeprof.profiler.errors import RangeprofError
+from rangeprof.workflows.requests import STORED
 
 from .catalog import MODEL_SUFFIX
 from .models import Model, Run
@@ -55,11 +56,18 @@ def job_request(kind: type[Request], **fields) -> Request:
         raise UploadError(fields_named) from None
 
 
-def calibration_spec(run: Run, asked: bool) -> str | None:
+def calibration_spec(run: Run, asked: bool | str) -> str | None:
     """The bias correction option of a job on ``run``'s ranges: its calibration data in the
-    job's folder, when ``asked``; a run of random data has none to offer."""
+    job's folder, when ``asked``; a run of random data has none to offer. ``stored`` reads the
+    run's profile, which has per-channel means when the run recorded channel statistics."""
     if not asked:
         return None
+    if asked == STORED:
+        if not run.request.channel_stats:
+            raise UploadError(
+                "'bias_correction' 'stored' needs a run profiled with 'channel_stats'"
+            )
+        return STORED
     if run.data_sha256 is None:
         raise UploadError(
             "'bias_correction' needs the run's calibration data: this run profiled random samples"

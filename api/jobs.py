@@ -33,6 +33,7 @@ from sqlalchemy import select, update
 
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.settings import settings
+from rangeprof.workflows.requests import STORED
 
 from . import catalog, execute
 from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
@@ -250,7 +251,7 @@ class Worker:
     def _link_calibration(self, folder: Path, job: Evaluation | Build, run: Run) -> None:
         """The run's calibration data, where a bias-corrected job's request names it."""
         spec = job.request.bias_correction
-        if spec is not None:
+        if spec not in (None, STORED):  # stored: the profile's means, no data
             (folder / CALIBRATION_FOLDER).mkdir()
             self._link_data(folder, spec, run.data_sha256)
 

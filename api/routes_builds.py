@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse
 from pydantic import ValidationError
 from sqlalchemy import select
 
-from rangeprof.workflows.requests import BuildRequest
+from rangeprof.workflows.requests import STORED, BuildRequest
 
 from . import catalog
 from .auth import Owner
@@ -141,6 +141,8 @@ def create_build(
         model = run.model
         calibration = calibration_spec(run, body.bias_correction)
         check_queue(session, owner, service.limits)
+        if not derived and calibration == STORED:
+            raise UploadError("'bias_correction' 'stored' reads the run's profile: not qparams_id")
         if not derived:
             qparams = session.get(QParamsSet, body.qparams_id)
             if qparams is None or qparams.run_id != run_id:

@@ -120,6 +120,7 @@ def create_run(
             batch_size=form.batch_size,
             samples=samples,
             seed=form.seed,
+            channel_stats=form.channel_stats,
         )
         run = Run(model_id=model_id, request=request, data_sha256=sha256)
         run_id = catalog.add_run(service.db, service.store, run, staged)

@@ -152,6 +152,9 @@ class RunRequest(BaseModel):
         None, ge=1, le=_MAX.max_batch_size, description="Default: the model's batch."
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of random data.")
+    channel_stats: bool = Field(
+        False, description="Per-channel means of activations (for bias_correction 'stored')."
+    )
 
 
 class RunOptions(_Out):
@@ -355,9 +358,11 @@ _WEIGHT_BITS = (
 
 _FP32_FALLBACK = "Regions whose tensors have no qparams stay FP32 (else that is an error)."
 _BIAS_CORRECTION = (
-    "Correct each layer's INT8 mean shift, measured on the run's calibration data (runs of an "
-    "uploaded .npz only)."
+    "Correct each layer's INT8 mean shift: true measures it on the run's calibration data (runs "
+    "of an uploaded .npz only); 'stored' derives it from the run's profile, no data run (runs "
+    "with channel_stats only)."
 )
+BiasCorrection = bool | Literal["stored"]
 _ACCURACY_BUDGET = (
     "Top-1 points (without labels: points of agreement with FP32) INT8 may lose on the "
     "evaluation data: the most sensitive layers are kept FP32 until the drop is within it."
@@ -391,7 +396,7 @@ class EvaluationRequest(BaseModel):
     weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
     fp32_fallback: bool = Field(False, description=_FP32_FALLBACK)
     accuracy_budget: float = Field(None, ge=0, description=_ACCURACY_BUDGET)
-    bias_correction: bool = Field(False, description=_BIAS_CORRECTION)
+    bias_correction: BiasCorrection = Field(False, description=_BIAS_CORRECTION)
 
 
 class EvaluatedLayer(BaseModel):
@@ -485,7 +490,7 @@ class BuildOptions(BaseModel):
     qparams_id: int | None = Field(None, ge=1, le=MAX_ID, description=_QPARAMS_ID)
     weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
     fp32_fallback: bool = Field(False, description=_FP32_FALLBACK)
-    bias_correction: bool = Field(False, description=_BIAS_CORRECTION)
+    bias_correction: BiasCorrection = Field(False, description=_BIAS_CORRECTION)
 
 
 class BuildUpload(BuildOptions):

@@ -1,10 +1,27 @@
-"""Empirical bias correction: the per-channel mean shift INT8 puts on each region's output,
-measured on calibration data and folded into the region's int32 bias.
+"""Bias correction: the per-channel mean shift INT8 puts on each region's output, folded into
+the region's int32 bias. Two ways to know the shift, one fold (:func:`corrected`), one kind of
+record in the manifest or report (``mode``, ``regions`` corrected):
 
 Rounding is unbiased on average, but quantized weights are not: ``Σ (W_q − W) x`` has a mean
 per output channel that depends on the data (Nagel et al., "Data-Free Quantization", 2019;
-AIMET's empirical bias correction). It is measured, not derived from stored statistics, because
-no statistic of the FP32 profile holds the INT8 outputs: the calibration data runs once more
+AIMET's empirical bias correction). Only regions with a constant weight (conv2d, matmul) are
+corrected; a ``batch_matmul`` of two activations has no weight rounding to correct.
+
+**Stored** (:func:`derive`, ``--bias-correction stored``): no data is run. The expected shift of
+the pre-activation is the weights' rounding error against the mean of the input, per output
+channel ``c``: ``E[ŷ − y]_c = Σ_{i,kh,kw} (Ŵ − W)[c, i, kh, kw] · E[x_i]`` (over the group's
+input channels for a grouped or depthwise conv; ``Σ_k (Ŵ − W)[k, c] · E[x_k]`` for a matmul),
+``Ŵ`` the weights as :func:`~.policy.quantize_weights` quantizes them for the region
+(:func:`~.lowering.integer_core`'s arguments). ``E[x_i]`` are the per-channel means the profile
+holds for the region's input (``rangeprof profile --channel-stats``). First order, as Nagel's
+analytic form: a conv's zero padding is ignored (border outputs see fewer inputs, whose mean is
+taken as the interior's), and so are the input's own quantization error and the int32 bias
+rounding; the correction goes to the pre-activation, where the bias is, so a clamp needs no
+rescaling. A region whose input has no stored means (a profile without channel statistics,
+an input whose channel axis is not the one the region contracts) is left alone and reported.
+
+**Empirical** (:func:`measure`, ``--bias-correction FILE.npz:KEY``): measured, which catches
+what the first-order form leaves out, at the cost of running the calibration data once more
 through two programs, every region FP32, and every region's INT8 core computed beside it on its
 FP32 input (the *isolated* outputs of :mod:`.evaluate`), both exposing every region's output.
 Isolated shifts are each layer's own: corrected together, they do not count a shift twice (with
@@ -25,10 +42,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from rangeprof.profiler.profiling.statistics import ChannelRange
+
 from .evaluate import Progress, model_data, program
 from .lowering import FP32, SHADOW
 from .patterns import CONV2D
+from .policy import QuantPolicy, quantize_weights
 from .quantized import QuantizedModel
+from .regions import Region
 
 MIN_ACTIVE = 0.01
 
@@ -62,7 +83,7 @@ def measure(
     region's output profileID (the same whichever plugin partitioned the model), measured on
     ``data`` (a :func:`~rangeprof.profiler.profiling.data.open_data` spec). ``compiled`` is
     :func:`~.evaluate.evaluate`'s program cache: the FP32 program serves both."""
-    quantized = [r for r in qm.regions if r.fallback is None]
+    quantized = _weighted(qm)
     if progress:
         progress("bias correction: compiling", 0, 2)
     compiled = {} if compiled is None else compiled
@@ -98,6 +119,70 @@ def measure(
             active >= MIN_ACTIVE, shift / np.maximum(active, 1e-12), 0.0
         )
     return corrections
+
+
+def _weighted(qm: QuantizedModel) -> list[Region]:
+    """The INT8 regions with a constant weight: those whose bias corrects weight rounding."""
+    return [r for r in qm.regions if r.fallback is None and r.float_region.weight is not None]
+
+
+def derive(qm: QuantizedModel, profile: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The bias correction ``δ = −E[ŷ − y]`` per output channel of every quantized region with
+    a constant weight, from the per-channel means ``profile`` holds for its input (see the
+    module doc), keyed by the region's output profileID; and the regions left alone, by name,
+    with the reason."""
+    entries = {t["profile_id"]: t for t in profile["tensors"]}
+    corrections: dict[str, np.ndarray] = {}
+    skipped: dict[str, str] = {}
+    for region in _weighted(qm):
+        means, why = _input_means(region, entries.get(region.input.profile_id))
+        if means is None:
+            skipped[region.name] = why
+            continue
+        corrections[region.output_id] = -_expected_shift(region, qm.plugin.policy, means)
+    return corrections, skipped
+
+
+def _input_means(region: Region, entry: dict | None) -> tuple[np.ndarray | None, str]:
+    """The per-channel means of the region's input along the axis it contracts, or why not."""
+    pid = region.input.profile_id
+    channels = _record(entry)
+    if channels is None or channels.mean is None:
+        return None, f"no per-channel means of its input {pid} in the profile"
+    fr = region.float_region
+    if fr.kind == CONV2D:
+        axis, size = 1, fr.weight.shape[1] * fr.attrs["groups"]
+    else:  # a matmul contracts the input's last axis with the weight's first
+        axis, size = len(entry["shape"]) - 1, fr.weight.shape[0]
+    if channels.axis != axis or len(channels.lo) != size:
+        return None, f"its input {pid} has means along axis {channels.axis}, not {axis}"
+    means = np.array(channels.mean, dtype=np.float64)  # None: a channel without finite values
+    if np.isnan(means).any():
+        return None, f"a channel of its input {pid} has no finite values"
+    return means, ""
+
+
+def _record(entry: dict | None) -> ChannelRange | None:
+    if entry is None or not entry.get("per_channel"):
+        return None
+    return ChannelRange.from_json(entry["per_channel"])
+
+
+def _expected_shift(region: Region, policy: QuantPolicy, means: np.ndarray) -> np.ndarray:
+    """``E[ŷ − y]`` per output channel: the weights' rounding error against the input means."""
+    fr = region.float_region
+    wq, scales = quantize_weights(fr.weight, fr.channel_axis, policy, fr.bias, region.input.scale)
+    shape = [1] * fr.weight.ndim
+    shape[fr.channel_axis] = -1
+    error = wq.astype(np.float64) * scales.reshape(shape) - fr.weight.astype(np.float64)
+    if fr.kind != CONV2D:
+        return means @ error  # [K] · [K, N]
+    out_channels, per_group = error.shape[:2]
+    groups = fr.attrs["groups"]
+    # each output channel sees its group's input channels, at every kernel position
+    group = np.arange(out_channels) // (out_channels // groups)
+    group_means = means.reshape(groups, per_group)[group]
+    return (error.sum(axis=(2, 3)) * group_means).sum(axis=1)
 
 
 def corrected(

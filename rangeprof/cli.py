@@ -206,6 +206,14 @@ def profile(
         typer.Option(min=1, help="Shards of the data (with --ray; default 4 per worker)."),
     ] = None,
     equalize: Equalize = False,
+    channel_stats: Annotated[
+        bool,
+        typer.Option(
+            "--channel-stats",
+            help="Also record per-channel min, max and mean of every activation (NCHW axis 1, "
+            "the last of 2-D tensors): what --bias-correction stored reads; profiling is slower.",
+        ),
+    ] = False,
 ) -> None:
     """Run calibration data through the instrumented FP32 model and write the profile."""
     from rangeprof.workflows import profiling
@@ -227,6 +235,7 @@ def profile(
             workers=workers,
             shards=shards,
             equalize=equalize,
+            channel_stats=channel_stats,
         )
         with _progress() as advance:
             doc = profiling.profile(request, lambda done, total: advance("profiling", done, total))
@@ -414,9 +423,11 @@ Samples = Annotated[int | None, typer.Option(help="Use at most this many samples
 BiasCorrection = Annotated[
     str | None,
     typer.Option(
-        metavar="FILE.npz:KEY",
-        help="Calibration data: measure each layer's INT8 mean shift on it and fold it into "
-        "the layer's bias (runs the data through FP32 and INT8 once).",
+        metavar="stored|FILE.npz:KEY",
+        help="Fold each layer's INT8 mean shift into its bias: 'stored' derives it from the "
+        "weights' rounding and the per-channel input means of the --profile (made with "
+        "--channel-stats; no data is run), FILE.npz:KEY measures it on that calibration data "
+        "(runs it through FP32 and INT8 once).",
     ),
 ]
 WeightBits = Annotated[
@@ -475,6 +486,7 @@ def build(
     int8 = sum(r["mode"] == "int8" for r in manifest["regions"])
     _err.print(
         f"{target}: {int8} of {len(manifest['regions'])} regions INT8"
+        + (f", int16: {', '.join(manifest['kept_int16'])}" if manifest["kept_int16"] else "")
         + (f", kept FP32: {', '.join(manifest['kept_fp32'])}" if manifest["kept_fp32"] else "")
         + f" -> {out / manifest['library']}",
         highlight=False,
@@ -616,6 +628,8 @@ def evaluate(
                 + (f", INT8 top-1 {row['int8_top1']:.2f}%" if "int8_top1" in row else ""),
                 highlight=False,
             )
+    if report.get("kept_int16"):
+        _out.print(f"int16 for the budget: {', '.join(report['kept_int16'])}", highlight=False)
     if report["kept_fp32"]:
         _out.print(f"kept FP32 for the budget: {', '.join(report['kept_fp32'])}", highlight=False)
     Console(width=max(_out.width, 140)).print(_evaluation_table(report))

@@ -188,6 +188,7 @@ def profile(
     samples: int | None = None,
     seed: int = 0,
     equalize: bool = False,
+    channel_stats: bool = False,
     progress: Callable[[int, int | None], None] | None = None,
 ) -> Profile:
     """Run ``data`` through the instrumented FP32 model and record every tensor's statistics.
@@ -197,8 +198,9 @@ def profile(
     single-input model), or an iterable of such dicts or arrays: batches of any size, as a
     PyTorch ``DataLoader`` yields them (tensors convert through ``numpy()``), read once.
     ``equalize`` profiles the cross-layer equalized model (builds of the profile equalize too).
-    ``progress(done, total)`` gets the samples done (``total`` is ``None`` for an iterable of
-    unknown length)."""
+    ``channel_stats`` also records every activation's per-channel min, max and mean (what
+    ``bias_correction="stored"`` reads). ``progress(done, total)`` gets the samples done
+    (``total`` is ``None`` for an iterable of unknown length)."""
     from rangeprof.workflows import profiling
     from rangeprof.workflows.requests import ProfileRequest
 
@@ -214,6 +216,7 @@ def profile(
         samples=samples,
         seed=seed,
         equalize=equalize,
+        channel_stats=channel_stats,
     )
     document = profiling.profile(request, progress, arrays=data if held else None)
     return Profile(document)
@@ -291,9 +294,10 @@ def build(
     temporary folder).
 
     ``accuracy_budget`` (top-1 points; needs ``data``, and ``labels`` for top-1) keeps the most
-    sensitive layers FP32 until INT8 loses no more on ``data``; ``bias_correction``,
-    calibration data, corrects each layer's INT8 mean shift measured on it. Data and labels are
-    ``FILE.npz:KEY`` specs."""
+    sensitive layers FP32 until INT8 loses no more on ``data``; ``bias_correction`` corrects
+    each layer's INT8 mean shift: ``"stored"`` derives it from the profile's per-channel means
+    (a profile made with ``channel_stats=True``; no data is run), calibration data measures it.
+    Data and labels are ``FILE.npz:KEY`` specs."""
     from rangeprof.workflows import quantize
     from rangeprof.workflows.requests import BuildRequest
 

@@ -280,7 +280,11 @@ def test_bias_correction_is_measured_on_the_runs_calibration_data(live, digits, 
     )
     assert response.status_code == 202, response.text
     evaluation = wait_for(live.owner, f"/api/evaluations/{response.json()['id']}")
-    assert evaluation["report"]["bias_correction"] == {"data": calibration}
+    record = evaluation["report"]["bias_correction"]
+    assert record["mode"] == "empirical" and record["data"] == calibration
+    # Stored correction reads the run's per-channel means: this run recorded none.
+    response = live.owner.post(path, json={"method": "mse", "bias_correction": "stored"})
+    assert response.status_code == 400 and "channel_stats" in response.json()["detail"]
 
     # A run of random samples has no calibration data to measure on: refused, nothing stored.
     random_run = start_run(live.owner, digits.model["id"], random="8")
@@ -292,6 +296,27 @@ def test_bias_correction_is_measured_on_the_runs_calibration_data(live, digits, 
     assert response.status_code == 400
     assert "bias_correction" in response.json()["detail"]
     assert row_counts(live.url) == before
+
+
+def test_stored_bias_correction_reads_the_runs_channel_means(live, digits, tmp_path):
+    """A run profiled with channel statistics: its profile's means correct the biases, no data
+    is linked into the build."""
+    folder = tmp_path / "calib"
+    folder.mkdir()
+    run = start_run(
+        live.owner, digits.model["id"], write_calib(folder, count=8), channel_stats="true"
+    )
+    run = wait_for_run(live.owner, run["id"])
+    assert run["status"] == "done" and run["request"]["channel_stats"], run["error"]
+    body = {"method": "max", "bias_correction": "stored"}
+    response = live.owner.post(f"/api/runs/{run['id']}/builds", json=body)
+    assert response.status_code == 202, response.text
+    assert response.json()["request"]["bias_correction"] == "stored"
+    manifest = unzip(live.owner, wait_for_build(live.owner, response.json()["id"]), tmp_path)
+    assert manifest["bias_correction"]["mode"] == "stored"
+    assert manifest["bias_correction"]["regions"] == sum(
+        r["mode"] == "int8" for r in manifest["regions"]
+    )
 
 
 def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_path):

@@ -70,11 +70,12 @@ class ProfilingProgram:
     observed: list[Observed]  # data-dependent tensors, in output order after the model output
     static: dict[str, TensorStats]  # tensors that depend on no input, observed once
     bins: int  # histogram bins the statistics kernels count (0: none)
+    channel_sums: bool = False  # per-channel sums and counts beside the ranges (channel stats)
 
     def run(self, batch: dict[str, np.ndarray]) -> tuple[tvm.runtime.Tensor, dict]:
         """Runs one batch; returns the model output and the stats of every observed tensor."""
         result = list(self._call(batch))
-        return result[0], _decode(self.observed, result[1:], self.bins)
+        return result[0], _decode(self.observed, result[1:], self.bins, self.channel_sums)
 
     def run_into(self, batch: dict[str, np.ndarray], totals: dict[str, Totals]) -> None:
         """Runs one batch and adds the statistics of every observed tensor to ``totals`` (by
@@ -84,7 +85,8 @@ class ProfilingProgram:
         for index, obs in enumerate(self.observed, start=1):
             total = totals.get(obs.profile_id)
             if total is None:
-                total = totals[obs.profile_id] = Totals(self.bins, obs.channel_axis)
+                total = Totals(self.bins, obs.channel_axis, self.channel_sums)
+                totals[obs.profile_id] = total
             total.add(np.from_dlpack(result[index]))
 
     def _call(self, batch: dict[str, np.ndarray]):
@@ -93,21 +95,29 @@ class ProfilingProgram:
         return self.vm["main"](*args)
 
 
-def _decode(observed: list[Observed], vectors, bins: int) -> dict[str, TensorStats]:
+def _decode(observed: list[Observed], vectors, bins: int, sums: bool) -> dict[str, TensorStats]:
     return {
-        obs.profile_id: decode(np.from_dlpack(vector), bins, obs.channel_axis)
+        obs.profile_id: decode(np.from_dlpack(vector), bins, obs.channel_axis, sums)
         for obs, vector in zip(observed, vectors, strict=True)
     }
 
 
-def channel_axis(layer: LayerRecord, ndim: int) -> int | None:
-    """Channel axis of conv / dense / matmul outputs (NCHW convs, features last for dense)."""
+def channel_axis(layer: LayerRecord, ndim: int, every: bool = False) -> int | None:
+    """Channel axis of conv / dense / matmul outputs (NCHW convs, features last for dense);
+    with ``every`` (channel statistics of activations) also of any other tensor by its rank:
+    axis 1 of a 3-D or 4-D tensor (NCW / NCHW), the last of a 2-D one."""
     axis = _CHANNEL_AXIS_BY_OP.get(layer.source_op or "")
+    if axis is None and every:
+        axis = {2: -1, 3: 1, 4: 1}.get(ndim)
     return None if axis is None or ndim < 2 else axis % ndim
 
 
-def instrument(mod: tvm.IRModule, layers: list[LayerRecord]) -> Instrumented:
-    """``mod`` with every float tensor binding of ``main`` returned (see :class:`Instrumented`)."""
+def instrument(
+    mod: tvm.IRModule, layers: list[LayerRecord], channel_stats: bool = False
+) -> Instrumented:
+    """``mod`` with every float tensor binding of ``main`` returned (see :class:`Instrumented`);
+    with ``channel_stats`` every data-dependent tensor with a channel axis is observed per
+    channel (weights keep theirs)."""
     func = mod["main"]
     by_id = {layer.profile_id: layer for layer in layers}
     depends = set(func.params)
@@ -122,7 +132,8 @@ def instrument(mod: tvm.IRModule, layers: list[LayerRecord]) -> Instrumented:
         if isinstance(ref.value, relax.Var):
             continue  # a rename: observed under the Var it names
         (profile_id,) = ids_of(ref.value)
-        entry = (ref.var, Observed(profile_id, channel_axis(by_id[profile_id], ty.ndim)))
+        every = channel_stats and ref.var in depends
+        entry = (ref.var, Observed(profile_id, channel_axis(by_id[profile_id], ty.ndim, every)))
         (observed if ref.var in depends else static).append(entry)
 
     bb = relax.BlockBuilder(mod)
@@ -157,27 +168,30 @@ def compile_program(
     bins: int | None = DEFAULT_BINS,
     target: tvm.target.Target | None = None,
     load: Callable[[relax.VMExecutable], relax.VirtualMachine] | None = None,
+    channel_stats: bool = False,
 ) -> tuple[relax.VMExecutable, ProfilingProgram]:
     """Compiles the instrumented program; observes data-independent tensors right away.
 
     ``load`` makes the VM from the executable (default: in memory, LLVM's JIT); the build
-    cache exports it first and loads the library instead (:meth:`BuildCache.store_library`)."""
+    cache exports it first and loads the library instead (:meth:`BuildCache.store_library`).
+    ``channel_stats``: per-channel ranges and sums of every activation (:func:`instrument`)."""
     bins = bins or 0
-    inst = instrument(mod, layers)
+    inst = instrument(mod, layers, channel_stats)
     functions = {"main": ObservedOutputs(1, tuple(o.channel_axis for o in inst.observed))}
     if inst.static:
         functions[STATIC] = ObservedOutputs(0, tuple(o.channel_axis for o in inst.static))
     target = target or host_target()
     workers = int(target.attrs.get("num-cores", 1))  # the cores the program is built for
-    observe = ObserveStatistics(functions, bins, workers)
+    observe = ObserveStatistics(functions, bins, workers, channel_stats)
     executable = build(inst.mod, target, fold_scales=False, layout_passes=[observe])
     vm = load(executable) if load else relax.VirtualMachine(executable, tvm.cpu())
-    program = ProfilingProgram(vm, input_names, inst.observed, {}, bins)
+    program = ProfilingProgram(vm, input_names, inst.observed, {}, bins, channel_stats)
     if inst.static:
         # Static tensors do not depend on the inputs' values: run once, on zeros.
         params = mod["main"].params
         zeros = [tvm.runtime.tensor(np.zeros(_shape(p), dtype=str(p.ty.dtype))) for p in params]
-        program.static.update(_decode(inst.static, list(vm[STATIC](*zeros)), bins))
+        static = list(vm[STATIC](*zeros))
+        program.static.update(_decode(inst.static, static, bins, channel_stats))
     return executable, program
 
 

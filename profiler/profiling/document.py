@@ -5,7 +5,10 @@ layer's identity (profileID, source node and tensor, kind, shape, dtype), whethe
 on the data (``static`` tensors — weights and weight transforms — are observed once), and the
 statistics of :class:`~rangeprof.profiler.profiling.statistics.TensorStats` including the exact
 moments and the exact-merge histogram encoding. The ``tensors`` section is deterministic: the same
-data in any sharding gives the same bytes (:func:`tensors_bytes`)."""
+data in any sharding gives the same bytes (:func:`tensors_bytes`).
+
+Versions: 1.1 added per-channel means (``per_channel.mean``, ``count`` and exact ``sum``) of
+activations profiled with channel statistics; 1.0 profiles, which have none, still load."""
 
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ if TYPE_CHECKING:  # the IR's modules import TVM: reading a profile needs neithe
     from rangeprof.profiler.ir.onnx_load import ModelFacts
     from rangeprof.profiler.ir.tagging import LayerRecord
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
+READABLE_VERSIONS = ("1.0", SCHEMA_VERSION)  # a minor version only adds optional fields
 
 
 class ProfileError(RangeprofError):
@@ -106,12 +110,14 @@ def _validator():
 
 
 def validate(doc: dict, source: str = "profile") -> dict:
-    """``doc`` if it is a profile of this schema version, else a :class:`ProfileError`."""
+    """``doc`` if it is a profile of a schema version this one reads, else a
+    :class:`ProfileError`."""
     import jsonschema
 
     version = doc.get("schema_version") if isinstance(doc, dict) else None
-    if version != SCHEMA_VERSION:
-        raise ProfileError(f"{source}: schema_version {version!r}, expected {SCHEMA_VERSION!r}")
+    if version not in READABLE_VERSIONS:
+        expected = " or ".join(repr(v) for v in READABLE_VERSIONS)
+        raise ProfileError(f"{source}: schema_version {version!r}, expected {expected}")
     error = jsonschema.exceptions.best_match(_validator().iter_errors(doc))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "top level"
@@ -138,6 +144,10 @@ def load_profile(path: str | Path) -> dict:
     return validate(doc, str(path))
 
 
+def _channel_stats(doc: dict) -> bool:
+    return doc["run"]["options"].get("channel_stats", False)
+
+
 def tensors_bytes(doc: dict) -> bytes:
     """The ``tensors`` section in canonical form (what shard merges must reproduce)."""
     return json.dumps(doc["tensors"], sort_keys=True, separators=(",", ":")).encode()
@@ -153,6 +163,8 @@ def merge_profiles(first: dict, second: dict) -> dict:
         raise ProfileError("cannot merge profiles of different models or input shapes")
     if first["run"]["options"]["bins"] != second["run"]["options"]["bins"]:
         raise ProfileError("cannot merge profiles with different histogram bin counts")
+    if _channel_stats(first) != _channel_stats(second):
+        raise ProfileError("cannot merge profiles made with and without channel statistics")
     theirs = {t["profile_id"]: t for t in second["tensors"]}
     if set(theirs) != {t["profile_id"] for t in first["tensors"]}:
         raise ProfileError("cannot merge profiles with different tensors")

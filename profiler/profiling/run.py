@@ -19,7 +19,12 @@ import tvm
 from tvm import relax
 
 from rangeprof.profiler.build.cache import BuildCache, cache_key
-from rangeprof.profiler.build.executor import Observed, ProfilingProgram, compile_program
+from rangeprof.profiler.build.executor import (
+    Observed,
+    ProfilingProgram,
+    channel_axis,
+    compile_program,
+)
 from rangeprof.profiler.build.schedules import host_target
 from rangeprof.profiler.errors import InputShapeError
 from rangeprof.profiler.ir.importer import ImportedModel
@@ -51,6 +56,10 @@ class ProfileOptions:
     # inputs fed whole in every run, not batched along dim 0 (see rangeprof.profiler.profiling.data)
     constant_inputs: tuple[str, ...] = ()
     equalize: bool = False  # profile the cross-layer equalized model (ir.passes.equalize)
+    # Per-channel min, max and exact mean of every activation with a channel axis (axis 1 of
+    # NCHW / NCW tensors, the last of 2-D ones): what bias correction from stored statistics
+    # reads. Opt-in: each observed tensor's kernel then keeps per-channel sums as well.
+    channel_stats: bool = False
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -103,9 +112,10 @@ class _Builder:
         constant: frozenset[str],
         cache: BuildCache,
         equalize: bool = False,
+        channel_stats: bool = False,
     ):
         self.path, self.bins, self.constant, self.cache = path, bins, constant, cache
-        self.equalize = equalize
+        self.equalize, self.channel_stats = equalize, channel_stats
         self.digest = _file_digest(path)
         self.target = host_target()
         self.bound: dict[str, np.ndarray] = {}  # the value inputs' values, once the data gives them
@@ -132,6 +142,8 @@ class _Builder:
                 batch=batch_size,
                 bound=bound,
                 equalize=self.equalize,
+                # named only when on: default profiles keep the keys of their cached builds
+                **({"channel_stats": True} if self.channel_stats else {}),
             )
             hit = self.cache.load(key)
             if hit is not None:
@@ -149,7 +161,9 @@ class _Builder:
         model = ModelFacts.from_json(side["model"])
         observed = [Observed(**o) for o in side["observed"]]
         static = {k: TensorStats.from_json(v) for k, v in side["static"].items()}
-        program = ProfilingProgram(vm, model.program_inputs, observed, static, self.bins or 0)
+        program = ProfilingProgram(
+            vm, model.program_inputs, observed, static, self.bins or 0, self.channel_stats
+        )
         layers = [LayerRecord(**layer) for layer in side["layers"]]
         return _Prepared(model, program, layers, side["stages"], cached=True)
 
@@ -162,7 +176,7 @@ class _Builder:
         names = loaded.program_inputs
         load = None if key is None else functools.partial(self.cache.store_library, key)
         _, program = compile_program(
-            imported.mod, imported.layers, names, self.bins, self.target, load
+            imported.mod, imported.layers, names, self.bins, self.target, load, self.channel_stats
         )
         program.static.update(_weight_stats(imported, self.bins))
         model = replace(loaded.facts, fates=imported.fates)
@@ -185,6 +199,7 @@ def _builder(path: str | Path, options: ProfileOptions, cache: BuildCache | None
         frozenset(options.constant_inputs),
         BuildCache() if cache is None else cache,
         options.equalize,
+        options.channel_stats,
     )
 
 
@@ -294,6 +309,7 @@ class ModelProfiler:
         self.batch_size = sample_batch(inputs)
         self.per_sample = [i.name for i in inputs if not i.constant]  # the sample axis is theirs
         self.bins = builder.bins
+        self.channel_stats = builder.channel_stats
 
     @classmethod
     def prepare(
@@ -322,8 +338,7 @@ class ModelProfiler:
         """Statistics of every profiled tensor over ``batches`` (run in order), and the sample
         count; ``progress`` gets the samples done after each batch."""
         stats: dict[str, TensorStats] = dict(self.programs.get(self.batch_size).static)
-        layers = self.prepared.layers
-        input_ids = {r.source_tensor: r.profile_id for r in layers if r.kind == "input"}
+        inputs = {r.source_tensor: r for r in self.prepared.layers if r.kind == "input"}
         totals: dict[str, Totals] = {}  # the observed tensors, merged run after run
         done = 0
         for batch in batches:
@@ -331,10 +346,12 @@ class ModelProfiler:
             self.programs.get(size).run_into(batch, totals)
             for name, array in batch.items():
                 # Bound value inputs are weights of the program (profiled as such).
-                if name in input_ids and np.issubdtype(array.dtype, np.floating):
-                    record = TensorStats.observe(array, self.bins)
-                    previous = stats.get(input_ids[name])
-                    stats[input_ids[name]] = record if previous is None else previous.merge(record)
+                if name in inputs and np.issubdtype(array.dtype, np.floating):
+                    layer, sums = inputs[name], self.channel_stats
+                    axis = channel_axis(layer, array.ndim, every=True) if sums else None
+                    record = TensorStats.observe(array, self.bins, axis, sums)
+                    previous = stats.get(layer.profile_id)
+                    stats[layer.profile_id] = record if previous is None else previous.merge(record)
             done += size
             if progress:
                 progress(done)

@@ -20,6 +20,7 @@ Only finite values enter min, max, moments and histograms; NaN and inf are count
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -50,6 +51,19 @@ def saturated_units(value: float) -> int:
     if math.isfinite(value):
         return exact_units(value)
     return 0 if math.isnan(value) else int(math.copysign(1, value)) * _MAX_UNITS
+
+
+def units_of(values: np.ndarray) -> list[int]:
+    """:func:`saturated_units` of every value of a float64 array, vectorised where that is
+    exact: a normal float64 is ``M · 2**(e - 53)`` with ``M`` a 53-bit integer (``frexp``), so
+    its units are ``M << (e + 1021)``; per-channel sums are converted run after run."""
+    values = np.asarray(values, dtype=np.float64)
+    fraction, exponent = np.frexp(values)
+    shift = exponent.astype(np.int64) + (_SUM_SHIFT - 53)
+    if not (np.isfinite(values).all() and (shift >= 0).all()):  # subnormal, saturated
+        return [saturated_units(v) for v in values.tolist()]
+    mantissa = np.ldexp(fraction, 53).astype(np.int64)
+    return list(map(operator.lshift, mantissa.tolist(), shift.tolist()))
 
 
 def _exact_sum(values: np.ndarray, square: bool = False) -> int:
@@ -171,11 +185,19 @@ class Histogram:
 @dataclass(frozen=True, eq=False)
 class ChannelRange:
     """Per-channel min and max of finite values along ``axis``; NaN marks a channel without
-    finite values (None in JSON and in :attr:`min` / :attr:`max`)."""
+    finite values (None in JSON and in :attr:`min` / :attr:`max`).
+
+    With channel statistics (``rangeprof profile --channel-stats``) also each channel's exact
+    sum and count of finite values, for its mean: sums in units of 2**-1074 as
+    :attr:`TensorStats.sum`, so merges are exact in any order. Bias correction from stored
+    statistics (:mod:`rangeprof.byoc.bias_correction`) reads the means of region inputs.
+    """
 
     axis: int
     lo: np.ndarray  # float64, never mutated
     hi: np.ndarray
+    sums: tuple[int, ...] | None = None  # exact, units of 2**-1074; None: not recorded
+    counts: tuple[int, ...] | None = None  # finite values per channel
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ChannelRange):
@@ -184,6 +206,7 @@ class ChannelRange:
             self.axis == other.axis
             and np.array_equal(self.lo, other.lo, equal_nan=True)
             and np.array_equal(self.hi, other.hi, equal_nan=True)
+            and (self.sums, self.counts) == (other.sums, other.counts)
         )
 
     __hash__ = None  # mutable-array fields: not hashable
@@ -196,20 +219,51 @@ class ChannelRange:
     def max(self) -> tuple[float | None, ...]:
         return _floats_or_none(self.hi)
 
+    @property
+    def mean(self) -> tuple[float | None, ...] | None:
+        """Each channel's mean of finite values (None: none), or None without sums."""
+        if self.sums is None:
+            return None
+        return tuple(
+            float(Fraction(s, n << _SUM_SHIFT)) if n else None
+            for s, n in zip(self.sums, self.counts, strict=True)
+        )
+
     def merge(self, other: ChannelRange) -> ChannelRange:
         if self.axis != other.axis or len(self.lo) != len(other.lo):
             raise ValueError("cannot merge per-channel ranges of different layouts")
+        sums = counts = None
+        if self.sums is not None and other.sums is not None:  # else the means are unknown
+            sums = tuple(map(operator.add, self.sums, other.sums))
+            counts = tuple(map(operator.add, self.counts, other.counts))
         # fmin / fmax skip NaN: a channel without finite values on one side takes the other's.
-        return ChannelRange(self.axis, np.fmin(self.lo, other.lo), np.fmax(self.hi, other.hi))
+        lo, hi = np.fmin(self.lo, other.lo), np.fmax(self.hi, other.hi)
+        return ChannelRange(self.axis, lo, hi, sums, counts)
 
     def to_json(self) -> dict:
-        return {"axis": self.axis, "min": list(self.min), "max": list(self.max)}
+        doc = {"axis": self.axis, "min": list(self.min), "max": list(self.max)}
+        if self.sums is not None:
+            # One shared exponent: the units' trailing zero bits common to every channel are
+            # dropped (a sum of float32 activations is then some twenty hex digits, not 270).
+            shift = min(((s & -s).bit_length() - 1 for s in self.sums if s), default=0)
+            doc["mean"] = list(self.mean)
+            doc["count"] = list(self.counts)
+            doc["sum"] = {
+                "values": [hex(s >> shift) for s in self.sums],
+                "unit_exponent": shift - _SUM_SHIFT,
+            }
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict) -> ChannelRange:
         # float64 arrays read None as NaN
         lo, hi = (np.array(doc[k], dtype=np.float64) for k in ("min", "max"))
-        return cls(doc["axis"], lo, hi)
+        sums = counts = None
+        if "sum" in doc:  # profiles of schema 1.0, or made without channel statistics, lack it
+            shift = doc["sum"]["unit_exponent"] + _SUM_SHIFT
+            sums = tuple(int(v, 16) << shift for v in doc["sum"]["values"])
+            counts = tuple(doc["count"])
+        return cls(doc["axis"], lo, hi, sums, counts)
 
 
 def _floats_or_none(values: np.ndarray) -> tuple[float | None, ...]:
@@ -264,8 +318,10 @@ class TensorStats:
         values: np.ndarray,
         bins: int | None = DEFAULT_BINS,
         channel_axis: int | None = None,
+        channel_sums: bool = False,
     ) -> TensorStats:
-        """Statistics of one array (one run's value of a tensor)."""
+        """Statistics of one array (one run's value of a tensor); per-channel ranges along
+        ``channel_axis``, with each channel's sum and count where ``channel_sums``."""
         flat = values.reshape(-1)
         wide = flat.astype(np.float64)
         with np.errstate(invalid="ignore"):  # inf - inf: the non-finite path below handles it
@@ -291,7 +347,8 @@ class TensorStats:
         histogram = Histogram.of(wide, vmin, vmax, bins) if bins else None  # finite, widened
         per_channel = None
         if channel_axis is not None:
-            per_channel = _channel_range(values, channel_axis, nan_count + inf_count > 0)
+            nonfinite = nan_count + inf_count > 0
+            per_channel = _channel_range(values, channel_axis, nonfinite, channel_sums)
         return cls(
             count=flat.size,
             nan_count=nan_count,
@@ -358,13 +415,24 @@ class TensorStats:
         )
 
 
-def _channel_range(values: np.ndarray, axis: int, has_nonfinite: bool) -> ChannelRange:
+def _channel_range(values: np.ndarray, axis: int, has_nonfinite: bool, sums: bool) -> ChannelRange:
     axes = tuple(i for i in range(values.ndim) if i != axis)
+    finite = values
     if has_nonfinite:
         masked = np.where(np.isfinite(values), values, np.nan)
         with warnings.catch_warnings():  # a channel without finite values is left NaN
             warnings.simplefilter("ignore", RuntimeWarning)
             lo, hi = np.nanmin(masked, axis=axes), np.nanmax(masked, axis=axes)
+        finite = np.where(np.isfinite(values), values, 0)
     else:
         lo, hi = values.min(axis=axes), values.max(axis=axes)
-    return ChannelRange(axis, lo.astype(np.float64), hi.astype(np.float64))
+    totals = counts = None
+    if sums:
+        # numpy's reduction over the other axes: a fixed order for a shape, as the kernel's.
+        with np.errstate(over="ignore"):
+            wide = finite.astype(np.float64).sum(axis=axes)
+        totals = tuple(units_of(wide))
+        count = np.isfinite(values).sum(axis=axes) if has_nonfinite else None
+        size = values.size // max(values.shape[axis], 1)
+        counts = tuple(count.tolist()) if count is not None else (size,) * values.shape[axis]
+    return ChannelRange(axis, lo.astype(np.float64), hi.astype(np.float64), totals, counts)

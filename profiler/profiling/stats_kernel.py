@@ -23,9 +23,13 @@ it):
    exact: most tensors), counts in private arrays per worker (counts add in any order, so the
    split need not be fixed), merged at the end;
 4. per-channel min and max along the channel axis as the kernel lays the tensor out
-   (``[outer, C, inner]``; reduced in registers per group of channels when they are innermost).
+   (``[outer, C, inner]``; reduced in registers per group of channels when they are innermost),
+   and with ``channel_sums`` each channel's float64 sum and count of finite values in the same
+   pass (per worker in row order, workers added in order: a fixed order for a shape, as the
+   moments' sums; the exact merge converts each run's sums, as it does the tensor's).
 
-Output layout (:data:`HEADER` values, then ``bins`` counts, then ``C`` minima and ``C`` maxima):
+Output layout (:data:`HEADER` values, then ``bins`` counts, then ``C`` minima and ``C`` maxima,
+then with ``channel_sums`` ``C`` sums and ``C`` counts):
 ``count, nan_count, inf_count, min, max, sum, sum_sq, exponent, offset, length``.
 
 :class:`Totals` adds up the vectors of many runs of one tensor: what decoding each and merging
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 from tvm import tirx
@@ -49,6 +54,7 @@ from rangeprof.profiler.profiling.statistics import (
     TensorStats,
     canonical_exponent,
     saturated_units,
+    units_of,
 )
 
 HEADER = 10
@@ -78,20 +84,30 @@ def kernel_view(shape: tuple[int, ...], channel_axis: int | None) -> tuple[int, 
     return (outer, channels, n // (outer * channels) if n else 1)
 
 
-def output_length(shape: tuple[int, ...], channel_axis: int | None, bins: int) -> int:
+def _per_channel_values(channel_sums: bool) -> int:
+    """Values per channel in the output: min and max, and sum and count with ``channel_sums``."""
+    return 4 if channel_sums else 2
+
+
+def output_length(
+    shape: tuple[int, ...], channel_axis: int | None, bins: int, channel_sums: bool = False
+) -> int:
     channels = 0 if channel_axis is None else shape[channel_axis]
-    return HEADER + bins + 2 * channels
+    return HEADER + bins + _per_channel_values(channel_sums) * channels
 
 
-def kernel_name(dtype: str, per_channel: bool, bins: int) -> str:
-    return f"observe_stats_{dtype}{'_channels' if per_channel else ''}_b{bins}"
+def kernel_name(dtype: str, per_channel: bool, bins: int, channel_sums: bool = False) -> str:
+    channels = ("_channel_sums" if channel_sums else "_channels") if per_channel else ""
+    return f"observe_stats_{dtype}{channels}_b{bins}"
 
 
 @functools.cache
-def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx.PrimFunc:
+def stats_kernel(
+    dtype: str, per_channel: bool, bins: int, workers: int, channel_sums: bool = False
+) -> tirx.PrimFunc:
     """The statistics kernel for tensors viewed as :func:`kernel_view` gives (see the module
     doc); with ``per_channel`` the view is ``(outer, C, inner)`` and per-channel ranges are
-    computed too."""
+    computed too, with ``channel_sums`` also per-channel sums and counts."""
     dims = [tirx.Var(f"d{i}", "int64") for i in range(3 if per_channel else 1)]
     n = functools.reduce(lambda a, b: a * b, dims, tirx.const(1, "int64"))
     work = "float64" if dtype == "float64" else "float32"  # min / max are exact in it
@@ -303,17 +319,25 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
     c_workers = T.max(T.int64(1), T.min(T.int64(workers), outer))
     c_span = (outer + c_workers - 1) // c_workers
     c0 = HEADER + bins
+    # per-channel sums and counts: (workers, channels) with channel_sums, a placeholder without
+    summed = channels if channel_sums else one
+    f_one = tirx.const(1.0, "float64")
 
     @T.macro
-    def channel_rows(flat, lo, hi, w, lanes):
+    def channel_rows(flat, lo, hi, sm, ct, w, lanes):
         # Per block of rows, each group of `lanes` channels is reduced in registers.
         for r0 in range((T.min(c_span, outer - w * c_span) + _ROWS - 1) // _ROWS):
             for g in range(channels // lanes):
                 rlo = T.alloc_buffer((lanes,), work)
                 rhi = T.alloc_buffer((lanes,), work)
+                rsm = T.alloc_buffer((lanes,), "float64")
+                rct = T.alloc_buffer((lanes,), "float64")
                 for lane in T.vectorized(lanes):
                     rlo[lane] = lo[w, g * lanes + lane]
                     rhi[lane] = hi[w, g * lanes + lane]
+                    if channel_sums:
+                        rsm[lane] = sm[w, g * lanes + lane]
+                        rct[lane] = ct[w, g * lanes + lane]
                 for o in range(
                     w * c_span + r0 * _ROWS,
                     T.min(T.min(outer, (w + 1) * c_span), w * c_span + (r0 + 1) * _ROWS),
@@ -325,19 +349,34 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
                         rhi[lane] = T.max(
                             rhi[lane], finite_or(flat, o * channels + g * lanes + lane, -inf)
                         )
+                        if channel_sums:
+                            rsm[lane] = rsm[lane] + T.Select(
+                                finite(flat, o * channels + g * lanes + lane),
+                                wide(flat, o * channels + g * lanes + lane),
+                                zero,
+                            )
+                            rct[lane] = rct[lane] + T.Select(
+                                finite(flat, o * channels + g * lanes + lane), f_one, zero
+                            )
                 for lane in T.vectorized(lanes):
                     lo[w, g * lanes + lane] = rlo[lane]
                     hi[w, g * lanes + lane] = rhi[lane]
+                    if channel_sums:
+                        sm[w, g * lanes + lane] = rsm[lane]
+                        ct[w, g * lanes + lane] = rct[lane]
 
     @T.macro
-    def channel_worker(flat, lo, hi, w):
+    def channel_worker(flat, lo, hi, sm, ct, w):
         for cc in range(channels):
             lo[w, cc] = inf
             hi[w, cc] = -inf
+            if channel_sums:
+                sm[w, cc] = zero
+                ct[w, cc] = zero
         if inner == 1 and channels % LANES == 0:
-            channel_rows(flat, lo, hi, w, LANES)
+            channel_rows(flat, lo, hi, sm, ct, w, LANES)
         elif inner == 1 and channels % 8 == 0:
-            channel_rows(flat, lo, hi, w, 8)
+            channel_rows(flat, lo, hi, sm, ct, w, 8)
         else:
             for o in range(w * c_span, T.min(outer, (w + 1) * c_span)):
                 for cc, ii in T.grid(channels, inner):
@@ -347,17 +386,28 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
                     hi[w, cc] = T.max(
                         hi[w, cc], finite_or(flat, (o * channels + cc) * inner + ii, -inf)
                     )
+                    if channel_sums:
+                        sm[w, cc] = sm[w, cc] + T.Select(
+                            finite(flat, (o * channels + cc) * inner + ii),
+                            wide(flat, (o * channels + cc) * inner + ii),
+                            zero,
+                        )
+                        ct[w, cc] = ct[w, cc] + T.Select(
+                            finite(flat, (o * channels + cc) * inner + ii), f_one, zero
+                        )
 
     @T.macro
     def channel_ranges(flat, out):
         lo = T.alloc_buffer((c_workers, channels), work)
         hi = T.alloc_buffer((c_workers, channels), work)
+        sm = T.alloc_buffer((c_workers, summed), "float64")
+        ct = T.alloc_buffer((c_workers, summed), "float64")
         if n >= _PARALLEL_MIN:
             for w in T.parallel(c_workers):
-                channel_worker(flat, lo, hi, w)
+                channel_worker(flat, lo, hi, sm, ct, w)
         else:
             for w in range(c_workers):
-                channel_worker(flat, lo, hi, w)
+                channel_worker(flat, lo, hi, sm, ct, w)
         for cc in range(channels):
             out[c0 + cc] = T.Cast("float64", inf)
             out[c0 + channels + cc] = T.Cast("float64", -inf)
@@ -366,6 +416,12 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
                 out[c0 + channels + cc] = T.max(
                     out[c0 + channels + cc], T.Cast("float64", hi[w, cc])
                 )
+            if channel_sums:
+                out[c0 + 2 * channels + cc] = zero
+                out[c0 + 3 * channels + cc] = zero
+                for w in range(c_workers):
+                    out[c0 + 2 * channels + cc] = out[c0 + 2 * channels + cc] + sm[w, cc]
+                    out[c0 + 3 * channels + cc] = out[c0 + 3 * channels + cc] + ct[w, cc]
 
     @T.prim_func(private=True, check_well_formed=False)  # the verifier predates s_tir blocks
     def kernel(x_handle: T.handle, out_handle: T.handle):
@@ -394,10 +450,12 @@ def stats_kernel(dtype: str, per_channel: bool, bins: int, workers: int) -> tirx
     return kernel
 
 
-def decode(vector: np.ndarray, bins: int, channel_axis: int | None) -> TensorStats:
-    """The :class:`TensorStats` in a kernel's output vector (``bins`` as the kernel counted);
-    per-channel ranges, when the kernel computed them, are recorded under ``channel_axis``, the
-    axis in the initial IR's layout."""
+def decode(
+    vector: np.ndarray, bins: int, channel_axis: int | None, channel_sums: bool = False
+) -> TensorStats:
+    """The :class:`TensorStats` in a kernel's output vector (``bins`` and ``channel_sums`` as
+    the kernel computed them); per-channel ranges, when the kernel computed them, are recorded
+    under ``channel_axis``, the axis in the initial IR's layout."""
     head = vector[:HEADER].tolist()  # Python floats: cheaper than numpy scalars one by one
     count, nans, infs = int(head[0]), int(head[1]), int(head[2])
     if nans + infs == count:
@@ -408,12 +466,8 @@ def decode(vector: np.ndarray, bins: int, channel_axis: int | None) -> TensorSta
         counts = vector[HEADER : HEADER + length].astype(np.int64)
         histogram = Histogram(bins, exponent, offset, counts)
     per_channel = None
-    channels = (len(vector) - HEADER - bins) // 2
-    if channels:
-        ranges = vector[HEADER + bins :].reshape(2, channels)
-        # A channel without finite values keeps the kernel's infinite start: NaN here.
-        ranges = np.where(np.isinf(ranges), np.nan, ranges)
-        per_channel = ChannelRange(channel_axis, ranges[0], ranges[1])
+    if len(vector) > HEADER + bins:
+        per_channel = _channel_record(vector[HEADER + bins :], channel_axis, channel_sums)
     return TensorStats(
         count=count,
         nan_count=nans,
@@ -427,6 +481,17 @@ def decode(vector: np.ndarray, bins: int, channel_axis: int | None) -> TensorSta
     )
 
 
+def _channel_record(values: np.ndarray, axis: int, channel_sums: bool) -> ChannelRange:
+    """The per-channel part of a kernel's output vector (or of :class:`Totals`' running one)."""
+    rows = values.reshape(_per_channel_values(channel_sums), -1)
+    # A channel without finite values keeps the kernel's infinite start: NaN here.
+    lo, hi = (np.where(np.isinf(r), np.nan, r) for r in rows[:2])
+    if not channel_sums:
+        return ChannelRange(axis, lo, hi)
+    sums = tuple(units_of(rows[2]))
+    return ChannelRange(axis, lo, hi, sums, tuple(int(c) for c in rows[3].tolist()))
+
+
 class Totals:
     """The running statistics of one tensor over its kernel vectors, run after run.
 
@@ -436,8 +501,8 @@ class Totals:
     2**53 values, and become integers once, in :meth:`stats`.
     """
 
-    def __init__(self, bins: int, channel_axis: int | None):
-        self.bins, self.channel_axis = bins, channel_axis
+    def __init__(self, bins: int, channel_axis: int | None, channel_sums: bool = False):
+        self.bins, self.channel_axis, self.channel_sums = bins, channel_axis, channel_sums
         self.count = self.nan_count = self.inf_count = self.sum = self.sum_sq = 0
         self.min: float | None = None  # None until a run has a finite value
         self.max: float | None = None
@@ -445,9 +510,12 @@ class Totals:
         self.counts: np.ndarray | None = None  # bins of 2**exponent from offset
         self.lo: np.ndarray | None = None  # per channel; infinite: no finite value yet
         self.hi: np.ndarray | None = None
+        self.sums: list[int] | None = None  # per channel, exact (with channel_sums)
+        self.finite: np.ndarray | None = None  # per channel, counts as float64
 
     def add(self, vector: np.ndarray) -> None:
-        """Adds one run's kernel output vector (``bins`` counted, as this total was made for)."""
+        """Adds one run's kernel output vector (``bins`` and ``channel_sums`` as this total was
+        made for)."""
         head = vector[:HEADER].tolist()  # Python floats: cheaper than numpy scalars one by one
         count, nans, infs = int(head[0]), int(head[1]), int(head[2])
         self.count += count
@@ -457,16 +525,19 @@ class Totals:
             return
         self.sum += saturated_units(head[5])
         self.sum_sq += saturated_units(head[6])
-        channels = (len(vector) - HEADER - self.bins) // 2
         c0 = HEADER + self.bins
+        rows = vector[c0:].reshape(_per_channel_values(self.channel_sums), -1)
+        channels = rows.shape[1]
         if self.min is None:
             self.min, self.max = head[3], head[4]
             if self.bins:
                 self.exponent, self.offset = int(head[7]), int(head[8])
                 self.counts = vector[HEADER : HEADER + int(head[9])].copy()
             if channels:
-                self.lo = vector[c0 : c0 + channels].copy()
-                self.hi = vector[c0 + channels :].copy()
+                self.lo, self.hi = rows[0].copy(), rows[1].copy()
+                if self.channel_sums:
+                    self.sums = units_of(rows[2])
+                    self.finite = rows[3].copy()
             return
         # The same operations, in the same order, as TensorStats.merge (signed zeros included).
         vmin, vmax = min(self.min, head[3]), max(self.max, head[4])
@@ -482,8 +553,11 @@ class Totals:
                 _add_rebinned(self.counts, self.exponent, self.offset, counts, exponent, offset)
         self.min, self.max = vmin, vmax
         if channels:
-            np.fmin(self.lo, vector[c0 : c0 + channels], out=self.lo)
-            np.fmax(self.hi, vector[c0 + channels :], out=self.hi)
+            np.fmin(self.lo, rows[0], out=self.lo)
+            np.fmax(self.hi, rows[1], out=self.hi)
+            if self.channel_sums:
+                self.sums = list(map(operator.add, self.sums, units_of(rows[2])))
+                self.finite += rows[3]
 
     def _rebin(self, exponent: int, vmin: float, vmax: float) -> None:
         offset = math.floor(math.ldexp(vmin, -exponent))
@@ -503,7 +577,10 @@ class Totals:
         if self.lo is not None:
             # A channel without finite values keeps the kernel's infinite start: NaN here.
             lo, hi = (np.where(np.isinf(r), np.nan, r) for r in (self.lo, self.hi))
-            per_channel = ChannelRange(self.channel_axis, lo, hi)
+            sums = counts = None
+            if self.channel_sums:
+                sums, counts = tuple(self.sums), tuple(int(c) for c in self.finite.tolist())
+            per_channel = ChannelRange(self.channel_axis, lo, hi, sums, counts)
         return TensorStats(
             count=self.count,
             nan_count=self.nan_count,

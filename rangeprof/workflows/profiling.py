@@ -45,6 +45,7 @@ def profile(request: ProfileRequest, progress: Progress | None = None, arrays=No
         seed=request.seed,
         constant_inputs=request.constant_inputs,
         equalize=request.equalize,
+        channel_stats=request.channel_stats,
     )
     preprocess = parse_preprocess(request.preprocess) if request.preprocess else None
     execute = profile_model

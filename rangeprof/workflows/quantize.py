@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from rangeprof.profiler.errors import RangeprofError
 
-from .requests import BuildRequest, EvaluateRequest, QuantizeRequest
+from .requests import STORED, BuildRequest, EvaluateRequest, QuantizeRequest
 
 Progress = Callable[[str, int, int], None]
 
@@ -37,15 +37,29 @@ def read_labels(spec: str | None):
     return labels
 
 
-def _ranges(request: QuantizeRequest) -> Callable[[object, str], dict]:
-    """``qparams(plugin, method)``: the request's QPARAMS document, read and checked, or derived
-    from its profile; either file is read once, however many methods ask."""
-    from rangeprof.byoc.quantized import qparams_from_profile
-    from rangeprof.profiler.calibrate.methods import read_qparams
+def _profile(request: QuantizeRequest) -> dict | None:
+    """The request's profile, read and checked once (None: the qparams are a QPARAMS document);
+    stored bias correction needs its per-channel means."""
     from rangeprof.profiler.profiling.document import load_profile
 
-    if request.profile is not None:
-        profile = load_profile(request.profile)
+    if request.profile is None:
+        return None
+    profile = load_profile(request.profile)
+    if request.bias_correction == STORED and not profile["run"]["options"].get("channel_stats"):
+        raise RangeprofError(
+            f"--bias-correction stored: {request.profile} has no per-channel means "
+            "(profile with --channel-stats)"
+        )
+    return profile
+
+
+def _ranges(request: QuantizeRequest, profile: dict | None) -> Callable[[object, str], dict]:
+    """``qparams(plugin, method)``: the request's QPARAMS document, read and checked, or derived
+    from its ``profile``; either file is read once, however many methods ask."""
+    from rangeprof.byoc.quantized import qparams_from_profile
+    from rangeprof.profiler.calibrate.methods import read_qparams
+
+    if profile is not None:
         return lambda plugin, method: qparams_from_profile(
             profile, plugin, method, request.percentile
         )
@@ -72,14 +86,24 @@ def _host(plugin, request: QuantizeRequest, qm, qparams):
 
 
 def _bias_corrections(
-    request: QuantizeRequest, measured, progress: Progress | None, compiled: dict | None = None
+    request: QuantizeRequest,
+    measured,
+    profile: dict | None,
+    progress: Progress | None,
+    compiled: dict | None = None,
 ):
-    """The bias corrections measured on ``measured`` with the request's calibration data, and
-    the record a manifest or report keeps of them; ``compiled``: the programs to reuse."""
-    from rangeprof.byoc.bias_correction import measure
+    """The bias corrections of ``measured``, derived from the profile's means (``stored``) or
+    measured on the request's calibration data, and the record a manifest or report keeps of
+    them; ``compiled``: the programs to reuse."""
+    from rangeprof.byoc.bias_correction import derive, measure
 
+    if request.bias_correction == STORED:
+        corrections, skipped = derive(measured, profile)
+        record = {"mode": STORED, "regions": len(corrections)}
+        return corrections, record | ({"skipped": skipped} if skipped else {})
     corrections = measure(measured, request.bias_correction, progress=progress, compiled=compiled)
-    return corrections, {"data": request.bias_correction, "regions": len(corrections)}
+    record = {"mode": "empirical", "data": request.bias_correction, "regions": len(corrections)}
+    return corrections, record
 
 
 def build(request: BuildRequest, progress: Progress | None = None) -> dict:
@@ -93,21 +117,22 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     report = progress or (lambda phase, done, total: None)
     plugin = get_plugin(request.target, request.weight_bits)
     report("quantizing", 0, 3)
-    qparams = _ranges(request)(plugin, request.method)
+    profile = _profile(request)
+    qparams = _ranges(request, profile)(plugin, request.method)
     qm = _quantized(request, qparams, plugin)
     measured = _host(plugin, request, qm, qparams)
     if request.bias_correction is not None:
-        corrections, record = _bias_corrections(request, measured, progress)
+        corrections, record = _bias_corrections(request, measured, profile, progress)
         qm, measured = (corrected(m, corrections, record) for m in (qm, measured))
-    kept: frozenset[str] = frozenset()
+    kept_fp32 = kept_int16 = frozenset()
     if request.accuracy_budget is not None:
         labels = read_labels(request.labels)
         fitted = fit_budget(
             measured, request.data, request.accuracy_budget, labels, request.samples, progress
         )
-        kept = frozenset(fitted.kept_fp32)
+        kept_fp32, kept_int16 = frozenset(fitted.kept_fp32), frozenset(fitted.kept_int16)
     report("compiling", 1, 3)
-    return build_artifact(qm, request.out, kept)
+    return build_artifact(qm, request.out, kept_fp32, kept_int16)
 
 
 def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict:
@@ -124,7 +149,9 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
     labels = read_labels(request.labels)
     results, qm = [], None
     compiled: dict = {}  # the FP32 program serves every method
-    ranges = _ranges(request)
+    profile = _profile(request)
+    ranges = _ranges(request, profile)
+    corrections: dict[str, dict] = {}  # each method's bias correction record
     for method in methods:
         qparams = ranges(plugin, method)
         if qm is None:
@@ -132,7 +159,8 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
         else:
             qm = qm.replanned(qparams, request.fp32_fallback)
         if request.bias_correction is not None:
-            qm = corrected(qm, *_bias_corrections(request, qm, progress, compiled))
+            qm = corrected(qm, *_bias_corrections(request, qm, profile, progress, compiled))
+            corrections[qparams["options"]["method"]] = qm.bias_correction
         if request.accuracy_budget is None:
             result = run_evaluation(
                 qm, request.data, labels, request.samples, progress=progress, compiled=compiled
@@ -156,7 +184,7 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
         **best,
     }
     if request.bias_correction is not None:
-        report["bias_correction"] = {"data": request.bias_correction}
+        report["bias_correction"] = corrections[best_method]
     report["methods"] = [
         {
             "method": name,

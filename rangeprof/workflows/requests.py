@@ -14,6 +14,7 @@ from rangeprof.profiler.errors import RangeprofError
 Target = Literal["x86", "aarch64", "npu"]
 Method = Literal["max", "percentile", "entropy", "mse", "best"]
 Shapes = dict[str, tuple[int, ...]]
+STORED = "stored"  # bias correction from the profile's per-channel means, not from data
 
 
 class _Request(BaseModel):
@@ -45,6 +46,11 @@ class ProfileRequest(_Request):
     workers: int | None = Field(None, ge=1)
     shards: int | None = Field(None, ge=1)
     equalize: bool = Field(False, description="Profile the cross-layer equalized model.")
+    channel_stats: bool = Field(
+        False,
+        description="Per-channel min, max and mean of every activation (what bias correction "
+        "from the profile reads).",
+    )
 
     @model_validator(mode="after")
     def _ray_options(self):
@@ -105,8 +111,9 @@ class QuantizeRequest(_Request):
     weight_bits: Literal[7, 8] = 8
     bias_correction: str | None = Field(
         None,
-        description="Calibration data (FILE.npz:KEY) on which each layer's INT8 mean shift is "
-        "measured and folded into its bias.",
+        description="Fold each layer's INT8 mean shift into its bias: 'stored' derives it from "
+        "the profile's per-channel means (no data run), calibration data (FILE.npz:KEY) "
+        "measures it.",
     )
 
     @model_validator(mode="after")
@@ -115,6 +122,11 @@ class QuantizeRequest(_Request):
             raise RangeprofError("give exactly one of --qparams and --profile")
         if self.accuracy_budget is not None and self.data is None:
             raise RangeprofError("--accuracy-budget needs --data to measure the drop")
+        if self.bias_correction == STORED and self.profile is None:
+            raise RangeprofError(
+                "--bias-correction stored reads the per-channel means of a --profile "
+                "(a QPARAMS document has none)"
+            )
         return self
 
 

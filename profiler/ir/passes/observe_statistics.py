@@ -47,10 +47,17 @@ class ObservedOutputs:
 class ObserveStatistics:
     """Rewrites each named function to return ``(*fields[:first], *statistics vectors)``."""
 
-    def __init__(self, functions: dict[str, ObservedOutputs], bins: int, workers: int):
+    def __init__(
+        self,
+        functions: dict[str, ObservedOutputs],
+        bins: int,
+        workers: int,
+        channel_sums: bool = False,
+    ):
         self.functions = functions
         self.bins = bins
         self.workers = workers
+        self.channel_sums = channel_sums  # per-channel kernels also sum and count each channel
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         bb = relax.BlockBuilder(mod)
@@ -119,11 +126,11 @@ class ObserveStatistics:
         ty = var.ty
         shape = tuple(int(d) for d in ty.shape.values)
         dtype = str(ty.dtype)
-        per_channel = axis is not None
-        kernel = stats_kernel(dtype, per_channel, self.bins, self.workers)
-        gvar = bb.add_func(kernel, kernel_name(dtype, per_channel, self.bins))
+        per_channel, sums = axis is not None, self.channel_sums
+        kernel = stats_kernel(dtype, per_channel, self.bins, self.workers, sums)
+        gvar = bb.add_func(kernel, kernel_name(dtype, per_channel, self.bins, sums))
         view = bb.emit(relax.op.memory.view(var, relax.ShapeExpr(kernel_view(shape, axis))))
-        out = relax.TensorType((output_length(shape, axis, self.bins),), "float64")
+        out = relax.TensorType((output_length(shape, axis, self.bins, sums),), "float64")
         return bb.emit(relax.call_tir(gvar, relax.Tuple([view]), out_ty=out))
 
 
