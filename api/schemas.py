@@ -425,6 +425,7 @@ class EvaluationReport(BaseModel):
     int8_top1: float | None = None
     layers: list[EvaluatedLayer] = Field(description="Worst isolated SQNR first.")
     kept_fp32: list[str] = []
+    kept_int16: list[str] = Field([], description="Absent in reports made before: none.")
 
 
 class NpzRef(BaseModel):
