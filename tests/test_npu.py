@@ -1,5 +1,5 @@
 """The npu plugin: the external codegen's C is compiled, loaded and run, tiled to its buffer, and
-its integer outputs equal the x86 build's bit for bit."""
+its integer outputs equal the x86 build's bit for bit, on 8-bit and on int16 activations."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ from onnx import helper
 from tvm import relax
 
 from rangeprof.byoc import npu
+from rangeprof.byoc.artifact import LIBRARY, build_artifact
+from rangeprof.byoc.evaluate import fit_budget
+from rangeprof.byoc.lowering import INT8, INT16
 from rangeprof.byoc.npu.codegen import offloaded
-from rangeprof.byoc.npu.core import Conv2dOp, Requantize, read_core
+from rangeprof.byoc.npu.core import Conv2dOp, MatmulOp, Requantize, read_core
 from rangeprof.byoc.npu.tiling import plan_tiles
 from rangeprof.byoc.plugin import Plugin, get_plugin
-from rangeprof.byoc.quantized import quantize_model
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.ir.tracking import track_model
 
@@ -93,11 +96,11 @@ def x86_reference() -> Plugin:
     return dataclasses.replace(get_plugin("x86"), policy=npu.PLUGIN.policy)
 
 
-def _lowered(path, qparams: dict, plugin: Plugin) -> tvm.IRModule:
-    """``path`` lowered for ``plugin``, every region INT8, every region output exposed."""
+def _lowered(path, qparams: dict, plugin: Plugin, mode: str = INT8) -> tvm.IRModule:
+    """``path`` lowered for ``plugin``, every region in ``mode``, every region output exposed."""
     qm = quantize_model(path, qparams, plugin)
     assert all(r.fallback is None for r in qm.regions)
-    mod, _ = qm.lower(expose=True)
+    mod, _ = qm.lower({r.name: mode for r in qm.regions}, expose=True)
     return mod
 
 
@@ -132,6 +135,7 @@ def test_plugin_registered():
     assert plugin.policy.calibration() == x86.calibration()  # the same qparams as x86
     assert plugin.policy.weight_granularity == x86.weight_granularity == "per-channel"
     assert plugin.policy.integer_outputs  # integer-only hardware
+    assert plugin.policy.wide_activations == x86.wide_activations == "int16"
     assert tvm.get_global_func("relax.ext.rangeprof_npu", allow_missing=True) is not None
 
 
@@ -197,11 +201,108 @@ def test_int8_activations_equal_x86(builder, shape, tmp_path):
     _assert_same(_run(npu.compile_npu(mod, sram_kb=1), x), want)
 
 
+@pytest.fixture(scope="module")
+def int16_layers(tmp_path_factory):
+    """The layers model with every region on int16 activations (mode INT16) for the npu, and
+    the x86 build's outputs (the npu's policy) on one input."""
+    path = mb.save(layers_model(), tmp_path_factory.mktemp("npu16"))
+    qparams = synthetic_qparams(path)
+    x = np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype("float32")
+    reference = x86_reference()
+    want = _run(reference.compile(_lowered(path, qparams, reference, INT16)), x)
+    return _lowered(path, qparams, npu.PLUGIN, INT16), x, want
+
+
+def test_int16_layers_equal_x86(int16_layers):
+    """Every kernel shape on int16 × int8 → int16, tiled to 2 KB (the matmul's 400 int16 inputs
+    do not fit 1 KB), equals x86 with the npu's policy bit for bit."""
+    mod, x, want = int16_layers
+    ops = [read_core(func) for func in offloaded(mod)]
+    assert len(ops) == 6 and all(op.symbol.endswith("_int16") for op in ops)
+    assert {(op.in_dtype, op.out_dtype) for op in ops} == {("int16", "int16")}
+    convs = [op for op in ops if isinstance(op, Conv2dOp)]
+    # Symmetric (z = 0): the 3×3 convs pad themselves with zeros, no pad binding.
+    assert any(op.weight.shape[2:] == (3, 3) and any(op.padding) for op in convs)
+    assert all(op.pad_value == 0 for op in convs)
+    assert any(op.groups == 16 == op.in_shape[1] for op in convs)  # depthwise
+    assert any(isinstance(op, MatmulOp) for op in ops)
+    relu = next(op.requantize for op in convs if op.requantize.lo == 0)
+    assert relu.hi == 32767  # clamped to the int16 range after a ReLU
+    for plan in npu.tile_plans(mod, sram_kb=2).values():
+        assert plan.tiles > plan.images, plan.to_json()
+    _assert_same(_run(npu.compile_npu(mod, sram_kb=2), x), want)
+    _assert_same(_run(npu.compile_npu(mod), x), want)
+
+
+def test_int16_tiles_take_two_bytes_an_element(int16_layers):
+    """The input and output sections of an int16 region are twice its 8-bit twin's, and every
+    section starts aligned for its type."""
+    mod, _, _ = int16_layers
+    for func in offloaded(mod):
+        op = read_core(func)
+        plan = plan_tiles(op, 1 << 20)  # one tile per image: the same tile for both types
+        narrow = plan_tiles(dataclasses.replace(op, in_dtype="uint8", out_dtype="uint8"), 1 << 20)
+        assert (plan.channels, plan.rows) == (narrow.channels, narrow.rows)
+        assert plan.sections["input"] == 2 * narrow.sections["input"]
+        assert plan.sections["output"] == 2 * narrow.sections["output"]
+        assert all(plan.offset(name) % 2 == 0 for name in plan.sections)
+    # The Gemm, 400 deep: 10 (9, aligned) + 400 weights + 2 · 400 inputs + 2 · 1 output.
+    with pytest.raises(RangeprofError, match=r"matmul_relax_add_int16 needs 1212 bytes"):
+        npu.tile_plans(mod, sram_kb=1)
+
+
+@pytest.mark.zoo
+def test_accuracy_budget_keeps_sensitive_layers_on_int16(tmp_path):
+    """digits_cnn with the range of ``/Mul`` (region 1's output, region 2's input) 80 times too
+    wide: the budget keeps the layers on the NPU on int16 instead of FP32, the artifact's
+    manifest says so, and its library equals x86 with the npu's policy and the same modes.
+    Integer-only, region 1 requantizes its output to 8 bits on ``/Mul``'s coarse grid, so both
+    it and its reader (``/Relu_1``, the worst layer) are widened; x86 hands an int16 layer
+    its producer's int32 accumulator in FP32 and widens ``/Relu_1`` alone."""
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+
+    model = zoo_model("digits_cnn")
+    profile = profile_model(
+        model, f"{SHARED}/data/digits.npz:calib", options=ProfileOptions(samples=64)
+    )
+    doc = qparams_from_profile(profile, npu.PLUGIN, "max", 99.99)
+    for entry in doc["qparams"]:
+        if entry["profile_id"] == "/Mul":
+            entry["scale"] *= 80
+    qm = quantize_model(model, doc, npu.PLUGIN)
+    fitted = fit_budget(qm, f"{SHARED}/data/digits.npz:test", 0.5, samples=150)
+    assert fitted.drop <= 0.5
+    assert (fitted.kept_int16, fitted.kept_fp32) == (["/Mul", "/Relu_1"], [])
+    kept = frozenset(fitted.kept_int16)
+    manifest = build_artifact(qm, tmp_path, kept_int16=kept)
+    assert manifest["library"] == LIBRARY
+    assert manifest["kept_int16"] == ["/Mul", "/Relu_1"] and manifest["kept_fp32"] == []
+    assert manifest["policy"]["sensitive_layers"] == "sym int16 activations"
+    regions = {r["name"]: r for r in manifest["regions"]}
+    widened = [r for r in qm.regions if r.output_id in kept]
+    assert len(widened) == 2
+    for region in widened:
+        entry = regions[region.name]
+        assert entry["mode"] == INT16
+        assert entry["target"]["symbol"] == f"{region.name}_int16"  # run by the NPU
+    assert [r["mode"] for r in manifest["regions"]].count(INT8) == len(regions) - 2
+
+    reference = quantize_model(model, doc, x86_reference())
+    modes = {r.name: INT16 if r.output_id in kept else INT8 for r in reference.regions}
+    want = relax.VirtualMachine(reference.plugin.compile(reference.lower(modes)[0]), tvm.cpu())
+    got = relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / LIBRARY)), tvm.cpu())
+    images = np.load(SHARED / "data" / "digits.npz")["test"][:4].astype("float32")
+    for i in range(len(images)):
+        image = tvm.runtime.tensor(images[i : i + 1])
+        np.testing.assert_array_equal(got["main"](image).numpy(), want["main"](image).numpy())
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-def test_emitted_code_is_c99(layers, tmp_path):
-    mod, _, _ = layers
+@pytest.mark.parametrize("program", ["layers", "int16_layers"])
+def test_emitted_code_is_c99(program, request, tmp_path):
+    mod, _, _ = request.getfixturevalue(program)
     source = tmp_path / "npu.c"
-    source.write_text(npu.c_program(mod, sram_kb=1))
+    source.write_text(npu.c_program(mod, sram_kb=2))
     include = tvm_ffi.libinfo.find_include_path()
     flags = ["-std=c99", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", f"-I{include}"]
     subprocess.run(["gcc", *flags, str(source)], check=True)

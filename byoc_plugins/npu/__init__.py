@@ -1,17 +1,25 @@
 """npu: an NPU-style accelerator, programmed through an external codegen that emits C.
 
-The integer cores of the INT8 regions (conv2d — dense, depthwise, grouped, any stride, dilation and
-padding — and matmul) are functions marked ``Codegen: rangeprof_npu``; the codegen (:mod:`.codegen`,
-registered on import as ``relax.ext.rangeprof_npu``) emits C for them: int8 kernels with int32
-accumulation, fixed-point requantization (int32 multiplier + shift), tiled to the on-chip buffer
+The integer cores of the INT8 and INT16 regions (conv2d — dense, depthwise, grouped, any stride,
+dilation and padding — and matmul) are functions marked ``Codegen: rangeprof_npu``; the codegen
+(:mod:`.codegen`, registered on import as ``relax.ext.rangeprof_npu``) emits C for them: kernels
+of 8-bit or int16 activations by int8 weights with int32 accumulation, fixed-point
+requantization (int32 multiplier + shift), tiled to the on-chip buffer
 (:mod:`.tiling`; ``sram_kb`` or ``$RANGEPROF_NPU_SRAM_KB``, 256 KB by default). Everything else —
 the FP32 operators, quantize / dequantize at the region boundaries — is the host's, built by
 :func:`rangeprof.profiler.build.schedules.build`. Both land in one shared library.
 
 The policy is x86's (asymmetric uint8 activations, symmetric per-channel int8 weights, so the
-same qparams), except that, being integer-only, the NPU requantizes every region output to 8
-bits, also those x86 hands to FP32 operators as scaled int32 accumulators. The arithmetic is the
+same qparams), except that, being integer-only, the NPU requantizes every region output (to 8
+bits, int16 in an int16 layer), also those x86 hands to FP32 operators as scaled int32
+accumulators. The arithmetic is the
 same bit for bit: an npu build's outputs equal those of an x86 build with this policy.
+
+Like x86, the policy has int16 activations (``wide_activations``), so that an accuracy budget
+keeps a layer too sensitive for 8 bits on the accelerator rather than sending it to the host in
+FP32: the host quantizes its input to the symmetric int16 grid (levels capped so the int32
+accumulator cannot overflow), the NPU runs the same core on it and requantizes the output to
+int16 (integer-only), which the host dequantizes.
 """
 
 from __future__ import annotations
@@ -50,8 +58,14 @@ def describe(mod: tvm.IRModule) -> dict[str, dict]:
 
 PLUGIN = Plugin(
     name="npu",
-    description="NPU-style accelerator: INT8 conv2d / matmul as tiled C, fixed-point requantize",
-    policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8", integer_outputs=True),
+    description="NPU-style accelerator: INT8 (INT16 where sensitive) conv2d / matmul as tiled C, "
+    "fixed-point requantize",
+    policy=QuantPolicy(
+        activation_scheme="asym",
+        activation_dtype="uint8",
+        integer_outputs=True,
+        wide_activations="int16",
+    ),
     patterns=lambda: pattern_table(NAME),
     target=host_target,
     compile=compile_npu,

@@ -1,14 +1,17 @@
 """Reading an offloaded integer core back into an NPU operation.
 
-The NPU runs exactly what :func:`rangeprof.byoc.lowering.integer_core` builds — one 8-bit input,
-one layer, fixed-point requantization — and nothing else. :func:`read_core` checks a
-``Codegen``-marked Relax function binding by binding against that canonical form:
+The NPU runs exactly what :func:`rangeprof.byoc.lowering.integer_core` builds — one input, one
+layer, fixed-point requantization — and nothing else. The input and output are 8-bit (an int8
+region), or both int16 (an int16 region, a layer an accuracy budget found too sensitive for 8
+bits: symmetric, so no ``pad``; its levels capped by the lowering so that the int32 accumulator
+of int16 × int8 products cannot overflow). :func:`read_core` checks a ``Codegen``-marked Relax
+function binding by binding against that canonical form:
 
     [pad(x, pad_value=z_x)]                       # only on H and W, only before a conv
     conv2d(x, W int8 OIHW, out_dtype=int32)       # NCHW, any stride / dilation / groups
       | matmul(x, W int8 [K, N], out_dtype=int32)
     + bias (int32 per channel) → astype int64 → × M (per channel) → + 2^(S-1) (per channel)
-    → >> S (per channel) → astype int32 → + z_y → maximum lo → minimum hi → astype 8 bits
+    → >> S (per channel) → astype int32 → + z_y → maximum lo → minimum hi → astype the output type
 
 and returns the constants the hardware takes (:class:`Conv2dOp`, :class:`MatmulOp`). Anything
 else — another operator, a non-constant operand, a rounding constant other than ``2^(S-1)``, a
@@ -28,6 +31,8 @@ from tvm import relax
 from rangeprof.profiler.errors import RangeprofError
 
 EIGHT_BITS = ("uint8", "int8")
+# The output types each input type may have: 8 bits in, 8 bits out; int16 in, int16 out.
+OUTPUTS = {"uint8": EIGHT_BITS, "int8": EIGHT_BITS, "int16": ("int16",)}
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _INT32 = np.iinfo(np.int32)
 
@@ -60,7 +65,7 @@ class Requantize:
 
 @dataclass(frozen=True)
 class Conv2dOp:
-    """An NCHW conv2d of an 8-bit input by int8 OIHW weights, then requantization."""
+    """An NCHW conv2d of an 8-bit or int16 input by int8 OIHW weights, then requantization."""
 
     symbol: str
     in_dtype: str
@@ -78,7 +83,8 @@ class Conv2dOp:
 
 @dataclass(frozen=True)
 class MatmulOp:
-    """``x [..., K] @ W [K, N]`` of an 8-bit input by int8 weights, then requantization."""
+    """``x [..., K] @ W [K, N]`` of an 8-bit or int16 input by int8 weights, then
+    requantization."""
 
     symbol: str
     in_dtype: str
@@ -167,7 +173,7 @@ def _channels(reader: _Reader, value: np.ndarray, channels: int, axis: int, what
 def _requantize(
     reader: _Reader, acc: relax.Var, channels: int, axis: int
 ) -> tuple[Requantize, str]:
-    """The epilogue's constants, and the output dtype."""
+    """The epilogue's constants, and the output dtype (checked by :func:`read_core`)."""
     values: dict[str, np.ndarray] = {}
     data = acc
     for op_name, dtype, name in _EPILOGUE:
@@ -179,8 +185,8 @@ def _requantize(
         data = reader.var()
     last = reader.take("relax.astype", data)
     out_dtype = str(last.attrs.dtype)
-    if out_dtype not in EIGHT_BITS or reader.at != len(reader.bindings):
-        raise reader.fail("the core must end with its astype to uint8 / int8")
+    if reader.at != len(reader.bindings):
+        raise reader.fail("the core must end with its astype to the output type")
     if not reader.func.body.body.same_as(reader.var()):
         raise reader.fail("the core must return its last binding")
     vectors = {
@@ -244,12 +250,13 @@ def read_core(func: relax.Function) -> NpuOp:
     reader = _Reader(func)
     if not _SYMBOL.fullmatch(reader.symbol):
         raise reader.fail("its global_symbol is not a C identifier")
-    if len(func.params) != 1 or reader.dtype(func.params[0]) not in EIGHT_BITS:
-        raise reader.fail("it must take one uint8 / int8 tensor")
-    if reader.dtype(func.body.body) not in EIGHT_BITS:
+    if len(func.params) != 1 or reader.dtype(func.params[0]) not in OUTPUTS:
+        raise reader.fail("it must take one uint8 / int8 / int16 tensor")
+    in_dtype, out_dtype = reader.dtype(func.params[0]), reader.dtype(func.body.body)
+    if out_dtype not in OUTPUTS[in_dtype]:
         raise reader.fail(
-            f"it returns {reader.dtype(func.body.body)}; the NPU's outputs are requantized to "
-            "uint8 / int8 (integer-only hardware)"
+            f"it returns {out_dtype}; the NPU requantizes the outputs of {in_dtype} inputs to "
+            f"{' / '.join(OUTPUTS[in_dtype])} (integer-only hardware)"
         )
     data = func.params[0]
     pad_value, pre_padding = 0, (0, 0, 0, 0)

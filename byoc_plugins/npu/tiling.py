@@ -6,20 +6,22 @@ is a block of **output channels** (conv2d) / columns (matmul) by a block of **ou
 (conv2d: rows of the output image, per image; matmul: rows of ``x``), and the buffer holds, at
 once, for the largest tile:
 
-============  ===========================================  ======================================
-section       conv2d (``tc`` channels × ``tr`` rows)        matmul (``tc`` columns × ``tr`` rows)
-============  ===========================================  ======================================
-accumulators  ``4 · OW`` (one output row, int32)            — (one dot product at a time)
-params        ``9 · tc`` (bias, M: int32; shift: uint8)     ``9 · tc``
-weights       ``tc · C/groups · KH · KW``                   ``K · tc``
-input         ``cin · ((tr−1)·sh + (KH−1)·dh + 1) · Wp``    ``tr · K``
-output        ``tc · tr · OW``                              ``tr · tc``
-============  ===========================================  ======================================
+============  ===============================================  =====================================
+section       conv2d (``tc`` channels × ``tr`` rows)           matmul (``tc`` columns × ``tr`` rows)
+============  ===============================================  =====================================
+accumulators  ``4 · OW`` (one output row, int32)               — (one dot product at a time)
+params        ``9 · tc`` (bias, M: int32; shift: uint8)        ``9 · tc``
+weights       ``tc · C/groups · KH · KW``                      ``K · tc``
+input         ``cin · ((tr−1)·sh + (KH−1)·dh + 1) · Wp · ex``  ``tr · K · ex``
+output        ``tc · tr · OW · ey``                            ``tr · tc · ey``
+============  ===============================================  =====================================
 
-where ``cin`` is the input channels of the groups the channel block covers and ``Wp = (OW−1)·sw
+where ``cin`` is the input channels of the groups the channel block covers, ``Wp = (OW−1)·sw
 + (KW−1)·dw + 1`` the width of the padded window (the DMA writes the padding, with the input's
-zero point, while it copies). The sections lie back to back in that order, so the int32 ones
-come first, aligned.
+zero point, while it copies) and ``ex`` / ``ey`` the bytes of an input / output element: 1 for
+8 bits, 2 for the int16 layers. The sections lie back to back in that order, so the int32 ones
+come first, aligned; in an int16 region each section is rounded up to an even size, so that the
+int16 ones are aligned too (the compiler may vectorise on that alignment).
 
 **The rule**: the most output channels whose tile fits with one output row, then the most
 output rows that fit with them. Channels come first because the weights then stay in the
@@ -35,6 +37,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from rangeprof.profiler.errors import RangeprofError
 
@@ -97,6 +101,11 @@ class TilePlan:
         )
 
 
+def _bytes(dtype: str) -> int:
+    """Bytes of one element of an operand of type ``dtype`` in the buffer."""
+    return np.dtype(dtype).itemsize
+
+
 def _largest(limit: int, fits: Callable[[int], bool]) -> int:
     """The largest ``t`` in ``[1, limit]`` with ``fits(t)`` (monotone), given ``fits(1)``."""
     lo, hi = 1, limit
@@ -116,12 +125,17 @@ def _plan(
     sections: Callable[[int, int], dict[str, int]],
     images: int,
 ) -> TilePlan:
+    align = max(_bytes(op.in_dtype), _bytes(op.out_dtype))
+
+    def aligned(tc: int, tr: int) -> dict[str, int]:
+        return {name: -(-size // align) * align for name, size in sections(tc, tr).items()}
+
     def fits(tc: int, tr: int) -> bool:
-        return sum(sections(tc, tr).values()) <= sram
+        return sum(aligned(tc, tr).values()) <= sram
 
     tc = next((c for c in candidates if fits(c, 1)), None)
     if tc is None:
-        need = sum(sections(candidates[-1], 1).values())
+        need = sum(aligned(candidates[-1], 1).values())
         raise RangeprofError(
             f"npu: region {op.symbol} needs {need} bytes of on-chip buffer for its smallest tile "
             f"(1 output channel x 1 output row); the buffer has {sram} "
@@ -137,7 +151,7 @@ def _plan(
         channel_tiles=math.ceil(channels / tc),
         row_tiles=math.ceil(rows / tr),
         images=images,
-        sections=sections(tc, tr),
+        sections=aligned(tc, tr),
     )
 
 
@@ -163,6 +177,7 @@ def _plan_conv2d(op: Conv2dOp, sram: int) -> TilePlan:
     n, k, oh, ow = op.out_shape
     per_group = k // op.groups
     taps = op.weight[0].size
+    ex, ey = _bytes(op.in_dtype), _bytes(op.out_dtype)
     # Blocks lie inside one group or cover whole groups (only whole groups when groups == 1).
     candidates = [
         c for c in range(k, 0, -1) if op.groups == 1 or per_group % c == 0 or c % per_group == 0
@@ -174,8 +189,8 @@ def _plan_conv2d(op: Conv2dOp, sram: int) -> TilePlan:
             "accumulators": 4 * ow,
             "params": PARAM_BYTES * tc,
             "weights": tc * taps,
-            "input": cin * window_rows(op, tr) * window_width(op),
-            "output": tc * tr * ow,
+            "input": cin * window_rows(op, tr) * window_width(op) * ex,
+            "output": tc * tr * ow * ey,
         }
 
     return _plan(op, "conv2d", sram, k, oh, candidates, sections, n)
@@ -183,13 +198,14 @@ def _plan_conv2d(op: Conv2dOp, sram: int) -> TilePlan:
 
 def _plan_matmul(op: MatmulOp, sram: int) -> TilePlan:
     depth, cols = op.weight.shape
+    ex, ey = _bytes(op.in_dtype), _bytes(op.out_dtype)
 
     def sections(tc: int, tr: int) -> dict[str, int]:
         return {
             "params": PARAM_BYTES * tc,
             "weights": depth * tc,
-            "input": tr * depth,
-            "output": tr * tc,
+            "input": tr * depth * ex,
+            "output": tr * tc * ey,
         }
 
     return _plan(op, "matmul", sram, cols, op.rows, list(range(cols, 0, -1)), sections, 1)
