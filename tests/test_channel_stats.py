@@ -192,3 +192,15 @@ def test_digits_channel_means_match_onnxruntime(digits_profile):
         want = _means(value, axis)
         # TVM and onnxruntime compute the float32 activations in their own orders
         np.testing.assert_allclose(channels["mean"], want, rtol=1e-5, atol=1e-6 * abs(want).max())
+
+
+@pytest.mark.zoo
+def test_transformer_activations_have_means_along_the_features_their_dense_layers_sum():
+    """``[T, B, D]`` / ``[B, T, D]`` activations feed dense layers along ``D`` (the last axis),
+    not axis 1 as images feed convolutions: their means are taken along what the layer sums."""
+    options = ProfileOptions(samples=2, channel_stats=True)
+    profile = profile_model(zoo_model("tiny_bert"), "random", options=options)
+    by_id = {entry["profile_id"]: entry for entry in profile["tensors"]}
+    norm = by_id["/layers.0/norm1/LayerNormalization"]  # read by linear1's MatMul
+    assert norm["shape"] == [1, 128, 256]
+    assert norm["per_channel"]["axis"] == 2 and len(norm["per_channel"]["min"]) == 256

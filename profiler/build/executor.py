@@ -112,13 +112,34 @@ def channel_axis(layer: LayerRecord, ndim: int, every: bool = False) -> int | No
     return None if axis is None or ndim < 2 else axis % ndim
 
 
+def _contracted_axes(func: relax.Function) -> dict[relax.Var, int]:
+    """The axis a conv (1, NCHW) or a matmul (the last) sums over, of each Var it reads as its
+    data: the channels whose means weigh a layer's bias correction. A transformer's ``[B, T,
+    D]`` activations feed dense layers along ``D``, not along axis 1 as images do."""
+    axes: dict[relax.Var, int] = {}
+    for ref in function_bindings("main", func):
+        value = ref.value
+        if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)):
+            continue
+        data = value.args[0] if value.args else None
+        if not isinstance(data, relax.Var) or not isinstance(data.ty, relax.TensorType):
+            continue
+        if value.op.name == "relax.nn.conv2d":
+            axes.setdefault(data, 1)
+        elif value.op.name == "relax.matmul":
+            axes.setdefault(data, data.ty.ndim - 1)
+    return axes
+
+
 def instrument(
     mod: tvm.IRModule, layers: list[LayerRecord], channel_stats: bool = False
 ) -> Instrumented:
     """``mod`` with every float tensor binding of ``main`` returned (see :class:`Instrumented`);
     with ``channel_stats`` every data-dependent tensor with a channel axis is observed per
-    channel (weights keep theirs)."""
+    channel, along the axis its conv or matmul consumer sums over where it has one (weights
+    keep theirs)."""
     func = mod["main"]
+    contracted = _contracted_axes(func) if channel_stats else {}
     by_id = {layer.profile_id: layer for layer in layers}
     depends = set(func.params)
     observed: list[tuple[relax.Var, Observed]] = []
@@ -133,7 +154,10 @@ def instrument(
             continue  # a rename: observed under the Var it names
         (profile_id,) = ids_of(ref.value)
         every = channel_stats and ref.var in depends
-        entry = (ref.var, Observed(profile_id, channel_axis(by_id[profile_id], ty.ndim, every)))
+        axis = channel_axis(by_id[profile_id], ty.ndim, every)
+        if every and ref.var in contracted:
+            axis = contracted[ref.var]
+        entry = (ref.var, Observed(profile_id, axis))
         (observed if ref.var in depends else static).append(entry)
 
     bb = relax.BlockBuilder(mod)
