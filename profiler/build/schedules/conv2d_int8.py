@@ -90,16 +90,18 @@ DATA_DTYPES = ("uint8", "int8", "int16")
 DEPTHWISE_ROWS = 8
 
 
-def is_integer(call: relax.Call) -> bool:
-    """8-bit or int16 activations × a constant int8 right operand → int32 (conv2d or matmul),
-    static shapes (the kernels are sized at build time)."""
+def is_integer(call: relax.Call, constant: bool = True) -> bool:
+    """8-bit or int16 activations × an int8 right operand → int32 (conv2d or matmul), static
+    shapes (the kernels are sized at build time); the right operand a constant (weights,
+    packed at build time) unless ``constant`` is False (a matmul of two activations)."""
     data, weight = call.args
-    dims = (*data.ty.shape.values, *call.ty.shape.values) if data.ty.shape is not None else [None]
+    shapes = (data.ty.shape, weight.ty.shape, call.ty.shape)
+    dims = [d for s in shapes for d in s.values] if all(s is not None for s in shapes) else [None]
     return (
         str(data.ty.dtype) in DATA_DTYPES
         and str(weight.ty.dtype) == "int8"
         and str(call.ty.dtype) == "int32"
-        and isinstance(weight, tvm.ir.expr.GenericConst)
+        and (isinstance(weight, tvm.ir.expr.GenericConst) or not constant)
         and all(isinstance(d, tirx.IntImm) for d in dims)
     )
 
@@ -132,12 +134,20 @@ def stage(data: te.Tensor, padding, channels: int, dtype: str, offset: int) -> t
 
 
 def corrected(acc: te.Tensor, offset_fix: tuple) -> te.Tensor:
-    """``acc`` plus the per-channel offset correction, when there is one (``offset_fix``: the
-    kernel's trailing tensor arguments, empty or the correction)."""
+    """``acc`` plus the offset correction, when there is one (``offset_fix``: the kernel's
+    trailing tensor arguments, empty or the correction, broadcast as numpy does: ``[O]`` per
+    output channel for constant weights, ``[…, 1, N]`` per batch and column for a run-time
+    right operand)."""
     if not offset_fix:
         return acc
     (fix,) = offset_fix
-    return te.compute(acc.shape, lambda *i: acc(*i) + fix[i[-1]], name=CORRECTION)
+    dims = [int(d) for d in fix.shape]
+
+    def value(*i):
+        at = [0 if d == 1 else axis for d, axis in zip(dims, i[len(i) - len(dims) :], strict=True)]
+        return acc(*i) + fix[tuple(at)]
+
+    return te.compute(acc.shape, value, name=CORRECTION)
 
 
 def conv2d_int8_nhwc(data, weight, *offset_fix, strides, padding, dilation, instruction, offset):
@@ -271,6 +281,19 @@ def output_block(width: int, channels: int, instruction: DotInstruction) -> int:
     return best_ob
 
 
+def dot_layout(
+    channels: int, max_weight: int, dtype: str, rows: int
+) -> tuple[DotInstruction, int] | None:
+    """The target's dot instruction for ``dtype`` activations, ``channels`` outputs and weights
+    up to ``max_weight`` in magnitude (:func:`~.isa.dot_instruction`), and the output block
+    the weights are packed in, ``rows`` (the register tile's axis) deciding it
+    (:func:`output_block`); None when no instruction fits."""
+    instruction = dot_instruction(channels, max_weight, dtype)
+    if instruction is None:
+        return None
+    return instruction, output_block(rows, channels, instruction)
+
+
 def dot_kernel(bb: relax.BlockBuilder, kernel, name: str, data, w: np.ndarray, rows: int, **args):
     """``kernel`` (the conv or the dense compute) of 8-bit or int16 ``data`` × int8 weights ``w``
     (``[O, …, C]``) on the target's dot instruction: the first for ``data``'s type whose lanes
@@ -278,10 +301,10 @@ def dot_kernel(bb: relax.BlockBuilder, kernel, name: str, data, w: np.ndarray, r
     register tile's axis) deciding the output block, the offset correction when the activations
     change type. None when no instruction fits."""
     dtype = str(data.ty.dtype)
-    instruction = dot_instruction(w.shape[0], int(np.abs(w.astype(np.int32)).max()), dtype)
-    if instruction is None:
+    layout = dot_layout(w.shape[0], int(np.abs(w.astype(np.int32)).max()), dtype, rows)
+    if layout is None:
         return None
-    ob = output_block(rows, w.shape[0], instruction)
+    instruction, ob = layout
     offset = instruction.data_offset(dtype)
     packed = relax.const(pack_weights(w, ob, instruction))
     fix = correction(w, offset)

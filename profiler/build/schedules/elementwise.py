@@ -24,7 +24,7 @@ from tvm import s_tir, tirx
 
 VECTOR = 16  # lanes of elementwise loops: one AVX-512 register, two AVX2 ones
 # Below this many output elements a kernel runs on one core (a parallel launch costs ~2 µs).
-_PARALLEL_MIN = 4096
+PARALLEL_MIN = 4096
 
 
 def extent(sch: s_tir.Schedule, loop) -> int:
@@ -123,7 +123,7 @@ def schedule_spatial(sch: s_tir.Schedule, block) -> None:
         return
     if len(loops) > 2 and extent(sch, loops[-1]) < VECTOR and not _reads_in_step(sch, block):
         rows = sch.fuse(*loops[:-2]) if len(loops) > 3 else loops[0]
-        if math.prod(extent(sch, lp) for lp in sch.get_loops(block)) >= _PARALLEL_MIN:
+        if math.prod(extent(sch, lp) for lp in sch.get_loops(block)) >= PARALLEL_MIN:
             sch.parallel(rows)
         sch.unroll(loops[-1])
         return
@@ -139,7 +139,7 @@ def schedule_spatial(sch: s_tir.Schedule, block) -> None:
     outer, inner_loop = sch.split(fused, [None, inner])
     if inner > 1:
         sch.vectorize(inner_loop)
-    if total >= _PARALLEL_MIN:
+    if total >= PARALLEL_MIN:
         sch.parallel(outer)
 
 

@@ -16,11 +16,13 @@ Order of passes, and why:
    pads the input channels of unpadded int8 convs (RGB images) to 4.
 4. ``LegalizeOps`` with our conv2d and matmul legalizations (weights repacked in numpy, at build
    time), chosen by dtype: float32 (:mod:`.conv2d`, :mod:`.dense`) or 8-bit or int16 activations ×
-   int8 constant weights → int32 (:mod:`.conv2d_int8`, :mod:`.dense_int8`), and the int64
+   int8 constant weights → int32 (:mod:`.conv2d_int8`, :mod:`.dense_int8`; a matmul's int8
+   right operand may be an activation too, packed at run time by a kernel of its own), and the int64
    requantization arithmetic in 32-bit instructions (:mod:`.requantize`). ``FuseOps`` / ``FuseTIR``
    then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it
-   (:mod:`.conv2d`, :mod:`.conv2d_int8`, :mod:`.dense_int8`, :mod:`.dense`, :mod:`.pooling`),
+   (:mod:`.conv2d`, :mod:`.conv2d_int8`, :mod:`.dense_int8` and its run-time packing,
+   :mod:`.dense`, :mod:`.pooling`),
    else the generic schedule of :mod:`.elementwise`; :data:`~.dot.lower_dot_blocks` turns the
    blocks the integer rules mark into dot-product instruction calls.
 6. TVM's own CPU lowering passes (dataflow lowering, memory planning, VM codegen).
@@ -43,7 +45,11 @@ from rangeprof.profiler.build.schedules.conv2d_int8 import (
     schedule_conv2d_int8,
 )
 from rangeprof.profiler.build.schedules.dense import legalize_matmul, schedule_dense
-from rangeprof.profiler.build.schedules.dense_int8 import legalize_matmul_int8, schedule_dense_int8
+from rangeprof.profiler.build.schedules.dense_int8 import (
+    legalize_matmul_int8,
+    schedule_dense_int8,
+    schedule_pack,
+)
 from rangeprof.profiler.build.schedules.dot import lower_dot_blocks
 from rangeprof.profiler.build.schedules.elementwise import root_blocks, schedule_generic
 from rangeprof.profiler.build.schedules.pooling import schedule_pooling
@@ -61,6 +67,7 @@ _RULES = (
     schedule_conv2d,
     schedule_conv2d_int8,
     schedule_dense_int8,
+    schedule_pack,
     schedule_dense,
     schedule_pooling,
 )
@@ -114,11 +121,11 @@ def apply_schedules(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 
 def _by_dtype(fp32, int8):
-    """One legalization per operator: the integer one for 8-bit or int16 × constant int8 →
-    int32 calls."""
+    """One legalization per operator: the integer one for 8-bit or int16 × int8 → int32 calls
+    (which keeps TVM's own for what its kernels do not cover)."""
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call):
-        return (int8 if is_integer(call) else fp32)(bb, call)
+        return (int8 if is_integer(call, constant=False) else fp32)(bb, call)
 
     return legalize
 
