@@ -136,3 +136,16 @@ def unbalanced_pair(activation: str = "Relu") -> onnx.ModelProto:
         helper.make_node("Conv", ["d", "w3"], ["y"], name="pw"),
     ]
     return single_io_model(nodes, inits, (1, 3, 6, 6), (1, 4, 6, 6))
+
+
+def conv_relu(rng, c_in: int, c_out: int, size: int):
+    """``y = Relu(Conv3x3(x, pad 1) + b)`` on ``[1, c_in, size, size]`` (nodes ``conv``,
+    ``act``), its weights drawn from ``rng``: ``(model, w, b)``."""
+    w = (rng.normal(size=(c_out, c_in, 3, 3)) / 3).astype(np.float32)
+    b = rng.normal(size=c_out).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
+        helper.make_node("Relu", ["c"], ["y"], name="act"),
+    ]
+    shape = (1, c_out, size, size)
+    return single_io_model(nodes, {"w": w, "b": b}, (1, c_in, size, size), shape), w, b

@@ -40,7 +40,7 @@ from rangeprof.cli import app
 from rangeprof.profiler.errors import RangeprofError
 
 from conftest import SHARED, zoo_model
-from onnx_builders import save, single_io_model
+from onnx_builders import conv_relu, save, single_io_model
 
 X86 = get_plugin("x86")
 POLICY = X86.policy
@@ -215,13 +215,8 @@ def test_conv_region_equals_integer_formula(case, weight_bits, requantize, tmp_p
 def test_region_feeding_fp32_leaves_as_scaled_accumulator(tmp_path):
     """x86 skips requantizing an output only FP32 operators read: ``s_x · s_c · acc``."""
     rng = np.random.default_rng(7)
-    w = (rng.normal(size=(8, 4, 3, 3)) / 3).astype(np.float32)
-    b = rng.normal(size=8).astype(np.float32)
-    nodes = [
-        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
-        helper.make_node("Relu", ["c"], ["y"], name="act"),
-    ]
-    path = save(single_io_model(nodes, {"w": w, "b": b}, (1, 4, 6, 6), (1, 8, 6, 6)), tmp_path)
+    model, w, b = conv_relu(rng, 4, 8, 6)
+    path = save(model, tmp_path)
     x = rng.normal(size=(1, 4, 6, 6)).astype(np.float32)
     x_q = _asym(-2.0, 2.0, "input:x")
     _, got = _run_region(path, _doc(path, [x_q, _asym(0.0, 4.0, "act")]), x, X86)

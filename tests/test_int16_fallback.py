@@ -18,7 +18,7 @@ from rangeprof.byoc.policy import ActivationQ, quantize_weights, wide_input
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
 
 from conftest import SHARED, zoo_model
-from onnx_builders import save, single_io_model
+from onnx_builders import conv_relu, save, single_io_model
 
 X86 = get_plugin("x86")
 
@@ -36,13 +36,8 @@ def _wide(q: dict, w, axis):
 
 def test_int16_conv_region_equals_integer_formula(tmp_path):
     rng = np.random.default_rng(11)
-    w = (rng.normal(size=(16, 8, 3, 3)) / 3).astype(np.float32)
-    b = rng.normal(size=16).astype(np.float32)
-    nodes = [
-        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
-        helper.make_node("Relu", ["c"], ["y"], name="act"),
-    ]
-    path = save(single_io_model(nodes, {"w": w, "b": b}, (1, 8, 9, 9), (1, 16, 9, 9)), tmp_path)
+    model, w, b = conv_relu(rng, 8, 16, 9)
+    path = save(model, tmp_path)
     x = rng.normal(size=(1, 8, 9, 9)).astype(np.float32)
     x_q, out_q = _asym(-2.5, 3.0, "input:x"), _asym(0.0, 5.0, "act")
     qm = quantize_model(path, _doc(path, [x_q, out_q]), X86)

@@ -190,32 +190,42 @@ def _restore_function(func, known, func_ids, merged) -> relax.Function:
                     *(lineage.get(u, known.get(u, frozenset())) for u in used_vars(ref.value))
                 )
 
+    def restored(b) -> relax.Expr:
+        value = b.value
+        if isinstance(value, relax.Function):
+            value = _with_body(value, rewrite_seq(value.body))
+        elif isinstance(value, relax.If):
+            value = relax.If(
+                value.cond,
+                rewrite_seq(value.true_branch),
+                rewrite_seq(value.false_branch),
+                value.span,
+            )
+        lin = lineage.get(b.var, frozenset())
+        if lin and not isinstance(value, relax.Var) and ids_of(value) != lin:
+            value = with_ids(value, lin)
+        return value
+
     def rewrite_seq(seq: relax.SeqExpr) -> relax.SeqExpr:
-        blocks = []
-        for block in seq.blocks:
-            bindings = []
-            for b in block.bindings:
-                value = b.value
-                if isinstance(value, relax.Function):
-                    value = _with_body(value, rewrite_seq(value.body))
-                elif isinstance(value, relax.If):
-                    value = relax.If(
-                        value.cond,
-                        rewrite_seq(value.true_branch),
-                        rewrite_seq(value.false_branch),
-                        value.span,
-                    )
-                lin = lineage.get(b.var, frozenset())
-                if lin and not isinstance(value, relax.Var) and ids_of(value) != lin:
-                    value = with_ids(value, lin)
-                if isinstance(b, relax.MatchCast):
-                    bindings.append(relax.MatchCast(b.var, value, b.ty, b.span))
-                else:
-                    bindings.append(relax.VarBinding(b.var, value, b.span))
-            blocks.append(type(block)(bindings, block.span))
-        return relax.SeqExpr(blocks, seq.body, seq.span)
+        return _rebuilt(seq, restored)
 
     return _with_body(func, rewrite_seq(func.body))
+
+
+def _rebuilt(seq: relax.SeqExpr, value_of) -> relax.SeqExpr:
+    """``seq`` with each binding's value replaced by ``value_of(binding)`` (its Var, kind and
+    span kept)."""
+    blocks = []
+    for block in seq.blocks:
+        bindings = []
+        for b in block.bindings:
+            value = value_of(b)
+            if isinstance(b, relax.MatchCast):
+                bindings.append(relax.MatchCast(b.var, value, b.ty, b.span))
+            else:
+                bindings.append(relax.VarBinding(b.var, value, b.span))
+        blocks.append(type(block)(bindings, block.span))
+    return relax.SeqExpr(blocks, seq.body, seq.span)
 
 
 def _with_body(func: relax.Function, body: relax.SeqExpr) -> relax.Function:
@@ -319,22 +329,11 @@ def _retagged(func: relax.Function, tags: dict, values: dict | None = None) -> r
     ``values`` replaced."""
     values = values or {}
 
-    def rewrite(seq: relax.SeqExpr) -> relax.SeqExpr:
-        blocks = []
-        for block in seq.blocks:
-            bindings = []
-            for b in block.bindings:
-                value = values.get(b.var, b.value)
-                if b.var in tags:
-                    value = with_ids(value, tags[b.var])
-                if isinstance(b, relax.MatchCast):
-                    bindings.append(relax.MatchCast(b.var, value, b.ty, b.span))
-                else:
-                    bindings.append(relax.VarBinding(b.var, value, b.span))
-            blocks.append(type(block)(bindings, block.span))
-        return relax.SeqExpr(blocks, seq.body, seq.span)
+    def value_of(b) -> relax.Expr:
+        value = values.get(b.var, b.value)
+        return with_ids(value, tags[b.var]) if b.var in tags else value
 
-    return _with_body(func, rewrite(func.body))
+    return _with_body(func, _rebuilt(func.body, value_of))
 
 
 @tvm.transform.module_pass(opt_level=0, name="Tracked")
