@@ -34,3 +34,14 @@ def zoo_model(name: str) -> Path:
 def _isolated_build_cache(tmp_path_factory):
     """Each test session starts with an empty build cache (subprocesses inherit it)."""
     os.environ["RANGEPROF_CACHE"] = str(tmp_path_factory.mktemp("build-cache"))
+
+
+@pytest.fixture(scope="session")
+def digits_profile():
+    """The trained digits CNN profiled on 64 calibration images (read-only: tests copy it)."""
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+
+    model = zoo_model("digits_cnn")
+    return profile_model(
+        model, f"{SHARED}/data/digits.npz:calib", options=ProfileOptions(samples=64)
+    )

@@ -313,15 +313,6 @@ def test_power_of_two_policy_gives_shift_only_requantization():
     assert np.all(mult == 2**30)
 
 
-@pytest.fixture(scope="module")
-def digits_profile(tmp_path_factory):
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
-
-    model = zoo_model("digits_cnn")
-    options = ProfileOptions(samples=64)
-    return profile_model(model, f"{SHARED}/data/digits.npz:calib", options=options)
-
-
 @pytest.mark.zoo
 def test_digits_regions_follow_lineage_and_stay_int8_between_regions(digits_profile):
     qm = quantize_model(

@@ -82,16 +82,6 @@ def test_int16_levels_are_capped_so_the_int32_accumulator_cannot_overflow(tmp_pa
     assert np.array_equal(got, want)
 
 
-@pytest.fixture(scope="module")
-def digits_profile():
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
-
-    model = zoo_model("digits_cnn")
-    return profile_model(
-        model, f"{SHARED}/data/digits.npz:calib", options=ProfileOptions(samples=64)
-    )
-
-
 @pytest.mark.zoo
 @pytest.mark.parametrize(
     "factor, mode",

@@ -252,20 +252,15 @@ def test_int16_tiles_take_two_bytes_an_element(int16_layers):
 
 
 @pytest.mark.zoo
-def test_accuracy_budget_keeps_sensitive_layers_on_int16(tmp_path):
+def test_accuracy_budget_keeps_sensitive_layers_on_int16(digits_profile, tmp_path):
     """digits_cnn with the range of ``/Mul`` (region 1's output, region 2's input) 80 times too
     wide: the budget keeps the layers on the NPU on int16 instead of FP32, the artifact's
     manifest says so, and its library equals x86 with the npu's policy and the same modes.
     Integer-only, region 1 requantizes its output to 8 bits on ``/Mul``'s coarse grid, so both
     it and its reader (``/Relu_1``, the worst layer) are widened; x86 hands an int16 layer
     its producer's int32 accumulator in FP32 and widens ``/Relu_1`` alone."""
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
-
     model = zoo_model("digits_cnn")
-    profile = profile_model(
-        model, f"{SHARED}/data/digits.npz:calib", options=ProfileOptions(samples=64)
-    )
-    doc = qparams_from_profile(profile, npu.PLUGIN, "max", 99.99)
+    doc = qparams_from_profile(digits_profile, npu.PLUGIN, "max", 99.99)
     for entry in doc["qparams"]:
         if entry["profile_id"] == "/Mul":
             entry["scale"] *= 80
