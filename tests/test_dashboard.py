@@ -1020,8 +1020,9 @@ def test_run_page_builds_an_artifact_and_cancels_a_queued_build(tab, live, digit
 
 
 def test_run_page_builds_with_an_accuracy_budget_and_shows_the_request(tab, live, digits, tmp_path):
-    """A badly clipped calibration (percentile 50) and a budget of 0 points: the build keeps
-    its most sensitive layers FP32, and its row says how many and shows its request."""
+    """A badly clipped calibration (percentile 50) and a budget of 0 points: the build widens
+    its most sensitive layers (int16, else FP32), and its row says how many and shows its
+    request."""
     page, run_id = tab.page, digits.run["id"]
     page.goto(f"/dashboard/runs/{run_id}")
     expect(page.locator("#facts [data-fact=status]")).to_have_text("done")
@@ -1036,6 +1037,12 @@ def test_run_page_builds_with_an_accuracy_budget_and_shows_the_request(tab, live
     form.locator("button[type=submit]").click()  # no data yet: the API refuses
     expect(page.locator("#build-error")).to_contain_text("'accuracy_budget' needs 'data'")
     data.set_input_files(str(_evaluation_data(tmp_path)))
+    # Stored bias correction reads channel means this run's profile does not hold.
+    form.locator("[name=bias_correction]").select_option("stored")
+    form.locator("[name=key]").fill("test")
+    form.locator("button[type=submit]").click()
+    expect(page.locator("#build-error")).to_contain_text("profiled with 'channel_stats'")
+    form.locator("[name=bias_correction]").select_option("")
     form.locator("[name=key]").fill("test")
     form.locator("[name=labels_key]").fill("test_labels")
     form.locator("[name=samples]").fill("32")
@@ -1051,13 +1058,14 @@ def test_run_page_builds_with_an_accuracy_budget_and_shows_the_request(tab, live
     row = page.locator(f"#builds tr[data-build-id='{build_id}']")
     expect(row).to_have_attribute("data-status", "done", timeout=300_000)
     build = live.owner.get(f"/api/builds/{build_id}").json()
-    kept, regions = build["manifest"]["kept_fp32"], build["manifest"]["regions"]
-    assert kept
+    manifest = build["manifest"]
+    kept, wide, regions = manifest["kept_fp32"], manifest["kept_int16"], manifest["regions"]
+    assert kept or wide
     expect(row.locator("[data-column=fp32]")).to_have_text(
-        f"fallback, budget 0 pts: {len(kept)} kept"
+        f"fallback, budget 0 pts: {len(wide)} int16, {len(kept)} FP32"
     )
     expect(row.locator("[data-column=int8-regions]")).to_have_text(
-        f"{len(regions) - len(kept)} of {len(regions)}"
+        f"{len(regions) - len(kept) - len(wide)} of {len(regions)}"
     )
     assert _shown_request(page, f"#builds tr[data-build-id='{build_id}']") == request
     tab.shot("run-build-budget")

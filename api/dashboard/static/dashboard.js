@@ -180,6 +180,13 @@ export function requestDetails(request) {
   );
 }
 
+// How a job's request corrects biases: "stored" (the profile's channel means), a calibration
+// data spec (measured on it), or none.
+export function biasCorrection(spec) {
+  if (!spec) return "–";
+  return spec === "stored" ? "from the profile's channel means" : "measured on the run's calibration data";
+}
+
 export const ACTIVE = ["queued", "running"];
 export const METHODS = ["max", "percentile", "entropy", "mse"];
 

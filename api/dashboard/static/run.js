@@ -90,19 +90,24 @@ function filledForm(form) {
   return data;
 }
 
-// What stays FP32 besides the regions the plugin cannot quantize: by FP32 fallback, regions
-// without qparams; by an accuracy budget, the most sensitive layers.
+// What is not INT8 besides the regions the plugin cannot quantize: by FP32 fallback, regions
+// without qparams; by an accuracy budget, the most sensitive layers (int16, else FP32).
 function fp32Cell(build) {
   const request = build.request;
-  const kept = manifests.get(build.id)?.kept_fp32 ?? [];
+  const manifest = manifests.get(build.id);
+  const kept = manifest?.kept_fp32 ?? [];
+  const wide = manifest?.kept_int16 ?? [];
   const parts = [];
   if (request.fp32_fallback) parts.push("fallback");
-  if (request.bias_correction) parts.push("bias corrected");
+  if (request.bias_correction) {
+    parts.push(request.bias_correction === "stored" ? "bias corrected (stored)" : "bias corrected");
+  }
   if (request.accuracy_budget !== null) {
-    const done = manifests.has(build.id) ? `: ${kept.length} kept` : "";
+    const done = manifest ? `: ${wide.length} int16, ${kept.length} FP32` : "";
     parts.push(`budget ${fmt(request.accuracy_budget)} pts${done}`);
   }
-  return el("td", { "data-column": "fp32", title: kept.join(", ") || undefined }, parts.join(", ") || "–");
+  const title = [...wide, ...kept].join(", ") || undefined;
+  return el("td", { "data-column": "fp32", title }, parts.join(", ") || "–");
 }
 
 function buildSource(build) {
@@ -110,12 +115,15 @@ function buildSource(build) {
   return build.method === "percentile" ? `percentile ${fmt(build.percentile)}` : build.method;
 }
 
-// INT8 regions of a done build's manifest, out of all its regions (the rest kept FP32).
+// INT8 regions of a done build's manifest, out of all its regions (the rest int16 or FP32).
 function regionsCell(manifest) {
   if (!manifest) return el("td", { class: "num", "data-column": "int8-regions", "data-value": "" }, "–");
   const total = manifest.regions.length;
   const int8 = manifest.regions.filter((r) => r.mode === "int8").length;
-  const title = `${int8} of ${total} regions INT8${int8 < total ? `, ${total - int8} kept FP32` : ""}`;
+  const int16 = manifest.regions.filter((r) => r.mode === "int16").length;
+  const wide = int16 ? `, ${int16} int16` : "";
+  const fp32 = total - int8 - int16 ? `, ${total - int8 - int16} FP32` : "";
+  const title = `${int8} of ${total} regions INT8${wide}${fp32}`;
   return el(
     "td",
     { class: "num", "data-column": "int8-regions", "data-value": int8, "data-regions": total, title },
