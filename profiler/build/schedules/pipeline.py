@@ -22,7 +22,7 @@ Order of passes, and why:
    then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it
    (:mod:`.conv2d`, :mod:`.conv2d_int8`, :mod:`.dense_int8` and its run-time packing,
-   :mod:`.dense`, :mod:`.pooling`),
+   :mod:`.dense`, :mod:`.pooling`, :mod:`.normalization`: layer norm, softmax),
    else the generic schedule of :mod:`.elementwise`; :data:`~.dot.lower_dot_blocks` turns the
    blocks the integer rules mark into dot-product instruction calls.
 6. TVM's own CPU lowering passes (dataflow lowering, memory planning, VM codegen).
@@ -52,6 +52,7 @@ from rangeprof.profiler.build.schedules.dense_int8 import (
 )
 from rangeprof.profiler.build.schedules.dot import lower_dot_blocks
 from rangeprof.profiler.build.schedules.elementwise import root_blocks, schedule_generic
+from rangeprof.profiler.build.schedules.normalization import lower_exp, schedule_normalization
 from rangeprof.profiler.build.schedules.pooling import schedule_pooling
 from rangeprof.profiler.build.schedules.prepare import pad_int8_channels, untranspose_quantize
 from rangeprof.profiler.build.schedules.requantize import (
@@ -70,6 +71,7 @@ _RULES = (
     schedule_pack,
     schedule_dense,
     schedule_pooling,
+    schedule_normalization,
 )
 
 
@@ -169,6 +171,7 @@ def relax_pipeline(
         relax.transform.FuseTIR(),
         apply_schedules,
         lower_dot_blocks,
+        lower_exp,
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ]
