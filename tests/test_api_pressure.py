@@ -194,7 +194,7 @@ def test_a_file_name_that_is_not_utf8_is_stored_safely(tmp_path):
 
 def test_reads_survive_database_connections_killed_under_them(tmp_path):
     """PostgreSQL terminates the service's connections again and again while clients read: a
-    read that loses its connection is tried once more on a fresh one, so none fails."""
+    read that loses its connection is tried again on a fresh one, so none fails."""
     with live_service("postgresql", tmp_path, Limits(), jobs=0) as live:
         model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
         run = live.owner.post(f"/api/models/{model}/runs", data={"random": "2"}).json()["id"]
