@@ -1,5 +1,6 @@
 """The BYOC core and the x86 plugin: qparams found by lineage, integer arithmetic equal to the
-formulas, INT8 artifacts that load and run, evaluation and the accuracy budget.
+formulas, INT8 artifacts that load and run, evaluation (the accuracy budget's own tests, int16
+then FP32, are in ``test_int16_fallback.py``).
 
 Single-layer models check the integer code against an independent numpy reference: the
 accumulator of ``(x_q − z_x)`` padded with zeros (the kernels multiply raw ``x_q`` padded with
@@ -21,7 +22,6 @@ from tvm import relax
 from typer.testing import CliRunner
 
 from rangeprof.byoc.evaluate import evaluate
-from rangeprof.byoc.lowering import FP32
 from rangeprof.byoc.plugin import get_plugin
 from rangeprof.byoc.policy import (
     FIXED_POINT,
@@ -472,28 +472,6 @@ def test_cli_seven_bit_weights_build_and_evaluate(digits_profile, tmp_path):
 def _digits_int8(digits_profile) -> tvm.IRModule:
     doc = qparams_from_profile(digits_profile, X86, "max", 99.99)
     return quantize_model(zoo_model("digits_cnn"), doc, X86).lower()[0]
-
-
-@pytest.mark.zoo
-def test_accuracy_budget_keeps_the_most_sensitive_layers_fp32(digits_profile):
-    # A badly calibrated tensor (its range cut to a twentieth) between two regions costs
-    # several points.
-    doc = qparams_from_profile(digits_profile, X86, "max", 99.99)
-    for entry in doc["qparams"]:
-        if entry["profile_id"] == "/Mul":
-            entry["scale"] /= 20
-    qm = quantize_model(zoo_model("digits_cnn"), doc, X86)
-    data = f"{SHARED}/data/digits.npz:test"
-    from rangeprof.byoc.evaluate import fit_budget
-
-    plain = evaluate(qm, data, samples=150)
-    worst = plain.ranked()[0].profile_id
-    # /Mul is region 1's output and region 2's input: region 2 (output /Relu_1) ranks worst.
-    assert plain.drop > 2 and worst == "/Relu_1"
-    fitted = fit_budget(qm, data, 0.5, samples=150)
-    assert fitted.kept_fp32 == [worst] and fitted.drop <= 0.5
-    modes = {e.profile_id: e.mode for e in fitted.layers}
-    assert modes[worst] == FP32 and list(modes.values()).count(FP32) == 1
 
 
 def test_cli_build_errors_are_one_line_exit_2(tmp_path):
