@@ -160,9 +160,7 @@ def legalize_matmul_int8(bb: relax.BlockBuilder, call: relax.Call):
     data, weight = call.args
     legalized = None
     if is_integer(call) and data.ty.ndim >= 2 and weight.ty.ndim == 2:
-        rows = 1
-        for dim in data.ty.shape.values[:-1]:
-            rows *= int(dim)
+        rows = math.prod(int(d) for d in data.ty.shape.values[:-1])
         w = weight.value.numpy().T  # [N, K]
         legalized = dot_kernel(bb, dense_int8, DENSE, data, w, rows)
     elif is_integer(call, constant=False) and data.ty.ndim >= 2 and weight.ty.ndim >= 2:

@@ -102,30 +102,37 @@ def _dot_statement(block: s_tir.SBlock, instruction: DotInstruction) -> tirx.Buf
     return tirx.BufferStore(store.buffer, call, acc_index)
 
 
-def _lower_block(block: s_tir.SBlock, mutator) -> s_tir.SBlock:
-    block = mutator.default_mutate(block)
-    name = block.annotations.get(ANNOTATION)
-    if name is None:
-        return block
-    body = _dot_statement(block, DOT_INSTRUCTIONS[str(name)])
-    annotations = {k: v for k, v in block.annotations.items() if k != ANNOTATION}
-    return s_tir.SBlock(
-        block.iter_vars,
-        block.reads,
-        block.writes,
-        block.name_hint,
-        body,
-        block.init,
-        block.alloc_buffers,
-        block.match_buffers,
-        annotations,
-    )
+def lower_marked_blocks(mod: tvm.IRModule, annotation: str, lower_body) -> tvm.IRModule:
+    """Every PrimFunc of ``mod`` with the body of each block a rule annotated with
+    ``annotation`` replaced by ``lower_body(block, value)`` (``value`` the annotation's) and
+    the annotation dropped: the second half of a rule's mark, after the schedules."""
+
+    def lower(block: s_tir.SBlock, mutator) -> s_tir.SBlock:
+        block = mutator.default_mutate(block)
+        value = block.annotations.get(annotation)
+        if value is None:
+            return block
+        return s_tir.SBlock(
+            block.iter_vars,
+            block.reads,
+            block.writes,
+            block.name_hint,
+            lower_body(block, value),
+            block.init,
+            block.alloc_buffers,
+            block.match_buffers,
+            {k: v for k, v in block.annotations.items() if k != annotation},
+        )
+
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc):
+            mod[gvar] = tvm_ffi.structural_mutate(func, (s_tir.SBlock, lower))
+    return mod
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerDotBlocks")
 def lower_dot_blocks(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Each block annotated by :func:`mark` → one dot-product instruction call."""
-    for gvar, func in list(mod.functions_items()):
-        if isinstance(func, tirx.PrimFunc):
-            mod[gvar] = tvm_ffi.structural_mutate(func, (s_tir.SBlock, _lower_block))
-    return mod
+    return lower_marked_blocks(
+        mod, ANNOTATION, lambda block, name: _dot_statement(block, DOT_INSTRUCTIONS[str(name)])
+    )

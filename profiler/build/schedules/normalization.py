@@ -34,6 +34,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
+from rangeprof.profiler.build.schedules.dot import lower_marked_blocks
 from rangeprof.profiler.build.schedules.elementwise import (
     PARALLEL_MIN,
     VECTOR,
@@ -78,30 +79,14 @@ def _lower_exp_call(call: tvm.ir.Call, mutator) -> tirx.PrimExpr:
     return call
 
 
-def _lower_exp_block(block: s_tir.SBlock, mutator) -> s_tir.SBlock:
-    block = mutator.default_mutate(block)
-    if VECTOR_EXP not in block.annotations:
-        return block
-    return s_tir.SBlock(
-        block.iter_vars,
-        block.reads,
-        block.writes,
-        block.name_hint,
-        tvm_ffi.structural_mutate(block.body, (tvm.ir.Call, _lower_exp_call)),
-        block.init,
-        block.alloc_buffers,
-        block.match_buffers,
-        {k: v for k, v in block.annotations.items() if k != VECTOR_EXP},
-    )
-
-
 @tvm.transform.module_pass(opt_level=0, name="LowerVectorExp")
 def lower_exp(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """``exp`` in the blocks the rule annotated → vectorisable arithmetic."""
-    for gvar, func in list(mod.functions_items()):
-        if isinstance(func, tirx.PrimFunc):
-            mod[gvar] = tvm_ffi.structural_mutate(func, (s_tir.SBlock, _lower_exp_block))
-    return mod
+    return lower_marked_blocks(
+        mod,
+        VECTOR_EXP,
+        lambda block, _: tvm_ffi.structural_mutate(block.body, (tvm.ir.Call, _lower_exp_call)),
+    )
 
 
 def _rows_then_reduce(sch: s_tir.Schedule, block, rows: list[int], width: int) -> bool:
