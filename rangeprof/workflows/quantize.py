@@ -121,14 +121,21 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     qparams = _ranges(request, profile)(plugin, request.method)
     qm = _quantized(request, qparams, plugin)
     measured = _host(plugin, request, qm, qparams)
+    compiled: dict = {}  # the FP32 program serves bias correction and the budget
     if request.bias_correction is not None:
-        corrections, record = _bias_corrections(request, measured, profile, progress)
+        corrections, record = _bias_corrections(request, measured, profile, progress, compiled)
         qm, measured = (corrected(m, corrections, record) for m in (qm, measured))
     kept_fp32 = kept_int16 = frozenset()
     if request.accuracy_budget is not None:
         labels = read_labels(request.labels)
         fitted = fit_budget(
-            measured, request.data, request.accuracy_budget, labels, request.samples, progress
+            measured,
+            request.data,
+            request.accuracy_budget,
+            labels,
+            request.samples,
+            progress,
+            compiled,
         )
         kept_fp32, kept_int16 = frozenset(fitted.kept_fp32), frozenset(fitted.kept_int16)
     report("compiling", 1, 3)
