@@ -1,5 +1,5 @@
 """Bias correction: the per-channel mean shift INT8 puts on each region's output, folded into
-the region's int32 bias. Two ways to know the shift, one fold (:func:`corrected`), one kind of
+the region's bias. Two ways to know the shift, one fold (:func:`corrected`), one kind of
 record in the manifest or report (``mode``, ``regions`` corrected):
 
 Rounding is unbiased on average, but quantized weights are not: ``Σ (W_q − W) x`` has a mean
@@ -15,10 +15,10 @@ input channels for a grouped or depthwise conv; ``Σ_k (Ŵ − W)[k, c] · E[x_k
 (:func:`~.lowering.integer_core`'s arguments). ``E[x_i]`` are the per-channel means the profile
 holds for the region's input (``rangeprof profile --channel-stats``). First order, as Nagel's
 analytic form: a conv's zero padding is ignored (border outputs see fewer inputs, whose mean is
-taken as the interior's), and so are the input's own quantization error and the int32 bias
-rounding; the correction goes to the pre-activation, where the bias is, so a clamp needs no
-rescaling. A region whose input has no stored means (a profile without channel statistics,
-an input whose channel axis is not the one the region contracts) is left alone and reported.
+taken as the interior's), and so is the input's own quantization error; the correction goes to
+the pre-activation, where the bias is, so a clamp needs no rescaling. A region whose input has
+no stored means (a profile without channel statistics, an input whose channel axis is not the
+one the region contracts) is left alone and reported.
 
 **Empirical** (:func:`measure`, ``--bias-correction FILE.npz:KEY``): measured, which catches
 what the first-order form leaves out, at the cost of running the calibration data once more

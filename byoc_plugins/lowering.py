@@ -50,6 +50,7 @@ from .policy import (
     ActivationQ,
     QuantPolicy,
     fixed_point,
+    float_bias,
     float_requantize_fits,
     int32_bias,
     output_clamp,
@@ -82,9 +83,18 @@ def integer_core(
     region's own input and output qparams (its int16 ones)."""
     fr = region.float_region
     x, y = x or region.input, y or region.output
-    wq, w_scales = quantize_weights(fr.weight, fr.channel_axis, policy, fr.bias, x.scale)
-    bias = int32_bias(fr.bias, wq, fr.channel_axis, x, w_scales)
-    channels = wq.shape[fr.channel_axis]
+    axis = fr.channel_axis
+    wq, w_scales = quantize_weights(fr.weight, axis, policy, fr.bias, x.scale)
+    offset = float_bias(fr.bias, wq.shape[axis], x, w_scales)
+    way = policy.requantize if integer_output else FLOAT
+    m = x.scale * w_scales / y.scale if integer_output else None
+    if integer_output and way == FLOAT and not float_requantize_fits(wq, offset, axis, x, m):
+        way = FIXED_POINT
+    # Integer-only requantization adds the bias in int32 accumulator units; a float epilogue
+    # adds it unrounded (a batch norm's shift folded into the bias keeps its exact value).
+    bias = int32_bias(fr.bias if way == FIXED_POINT else None, wq, axis, x, w_scales)
+    offset = None if way == FIXED_POINT else offset
+    channels = wq.shape[axis]
 
     bb = relax.BlockBuilder()
     xq = relax.Var("xq", relax.TensorType(in_shape, x.dtype))
@@ -113,15 +123,10 @@ def integer_core(
             acc = bb.emit(acc)
             acc = bb.emit(relax.op.add(acc, _const(bias.reshape(per_channel), "int32")))
             if integer_output:
-                m = x.scale * w_scales / y.scale
                 bounds = output_clamp(y, fr.clamp)
-                axis = fr.channel_axis
-                way = policy.requantize
-                if way == FLOAT and not float_requantize_fits(wq, bias, axis, x, m):
-                    way = FIXED_POINT
-                out = requantize(bb, acc, m, per_channel, y, bounds, way)
+                out = requantize(bb, acc, m, per_channel, y, bounds, way, offset)
             else:
-                out = _float_output(bb, acc, x.scale * w_scales, per_channel, fr.clamp)
+                out = _float_output(bb, acc, x.scale * w_scales, per_channel, fr.clamp, offset)
         bb.emit_func_output(out)
     return bb.get()[name]
 
@@ -154,17 +159,19 @@ def batch_matmul_core(
                     way = FIXED_POINT
                 out = requantize(bb, acc, m, (1,), y, output_clamp(y, None), way)
             else:
-                out = _float_output(bb, acc, scale, (1,), None)
+                out = _float_output(bb, acc, scale, (1,), None, None)
         bb.emit_func_output(out)
     return bb.get()[name]
 
 
-def requantize(bb, acc, multiplier: np.ndarray, per_channel, y: ActivationQ, bounds, way: str):
+def requantize(
+    bb, acc, multiplier: np.ndarray, per_channel, y: ActivationQ, bounds, way: str, offset=None
+):
     """The int32 accumulator ``acc`` scaled by ``multiplier`` (float64, one per channel, shaped
     by ``per_channel``) the ``way`` a policy names, ``+ z_y``, clamped to ``bounds``, in ``y``'s
-    8-bit type."""
+    8-bit type; the float way first adds ``offset`` (a float bias in accumulator units)."""
     if way == FLOAT:
-        return _requantize_float(bb, acc, multiplier, per_channel, y, bounds)
+        return _requantize_float(bb, acc, multiplier, per_channel, y, bounds, offset)
     m, shift = fixed_point(multiplier)
     return _requantize_fixed_point(bb, acc, m, shift, per_channel, y, bounds)
 
@@ -179,10 +186,12 @@ def _requantize_fixed_point(bb, acc, multiplier, shift, per_channel, y: Activati
     return _finish(bb, bb.emit(relax.op.astype(wide, "int32")), y, bounds)
 
 
-def _requantize_float(bb, acc, multiplier, per_channel, y: ActivationQ, bounds):
-    """``round(float32(acc) · m) + z_y`` (round half to even: TVM's ``round``), clamped, in
-    ``y``'s 8-bit type; the clamp stays in int32, where the 8-bit packing does it for free."""
-    scaled = bb.emit(relax.op.astype(acc, "float32"))
+def _requantize_float(bb, acc, multiplier, per_channel, y: ActivationQ, bounds, offset=None):
+    """``round((float32(acc) + β) · m) + z_y`` (round half to even: TVM's ``round``), clamped,
+    in ``y``'s 8-bit type; the clamp stays in int32, where the 8-bit packing does it for free.
+    ``(a + β) · m`` rather than ``a · m + b``: no target may contract it into a fused
+    multiply-add, so every target rounds alike."""
+    scaled = _plus(bb, bb.emit(relax.op.astype(acc, "float32")), offset, per_channel)
     scaled = bb.emit(relax.op.multiply(scaled, _const(multiplier.reshape(per_channel), "float32")))
     rounded = bb.emit(relax.op.round(scaled))
     return _finish(bb, bb.emit(relax.op.astype(rounded, "int32")), y, bounds)
@@ -196,9 +205,16 @@ def _finish(bb, out, y: ActivationQ, bounds):
     return bb.emit_output(relax.op.astype(out, y.dtype))
 
 
-def _float_output(bb: relax.BlockBuilder, acc, scales: np.ndarray, per_channel, clamp):
-    """``s_x · s_c · acc`` in FP32, then the ReLU / Clip epilogue."""
-    out = bb.emit(relax.op.astype(acc, "float32"))
+def _plus(bb: relax.BlockBuilder, value, offset, per_channel):
+    """``value + offset`` (float32, one per channel), or ``value`` without one."""
+    if offset is None or not offset.any():
+        return value
+    return bb.emit(relax.op.add(value, _const(offset.reshape(per_channel), "float32")))
+
+
+def _float_output(bb: relax.BlockBuilder, acc, scales: np.ndarray, per_channel, clamp, offset):
+    """``s_x · s_c · (acc + β)`` in FP32, then the ReLU / Clip epilogue."""
+    out = _plus(bb, bb.emit(relax.op.astype(acc, "float32")), offset, per_channel)
     out = relax.op.multiply(out, _const(scales.reshape(per_channel), "float32"))
     if clamp is not None:
         out = relax.op.maximum(bb.emit(out), _const(clamp[0], "float32"))
@@ -279,6 +295,8 @@ class _Lowerer:
         consumers.setdefault(main.body.body, []).append(None)
         keep = set()
         for var, region in calls.items():
+            if region.output is None:
+                continue  # no qparams: it leaves in FP32
             users = consumers.get(var, [])
             quantized_users = all(
                 user is not None
@@ -373,7 +391,7 @@ class _Lowerer:
             out = _inline(self.bb, func, value.args, region.profile_ids, binding.var)
             if mode == SHADOW:
                 out = self._int8(region, value.args, None)
-        self.exposed.append((region.output_id if region.output else region.name, out))
+        self.exposed.append((region.output_id or region.name, out))
 
     def lower(self, expose: bool) -> tuple[tvm.IRModule, list[str]]:
         main = self.mod["main"]

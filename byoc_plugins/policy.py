@@ -11,9 +11,12 @@ The formulas (``q = round(x / s) + z``, ``x = s · (q − z)``):
   faster than ``vpmaddwd`` (onnxruntime's ``reduce_range``, for the same CPUs).
 * **Activations** take the QPARAMS document's scale and zero point for the region's input and
   output profileIDs (``uint8`` or ``int8``; the document's scheme decides ``z``).
-* **Bias** is int32 in the accumulator's units ``s_x · s_c``. An activation zero point ``z_x``
-  is folded into it: ``Σ (x_q − z_x) w = Σ x_q w − z_x Σ w``, so the kernels multiply raw
-  ``x_q`` (padding pads with ``z_x``, which keeps the correction exact at the borders).
+* **Zero point**: an activation zero point ``z_x`` is corrected in int32 accumulator units
+  (``s_x · s_c``): ``Σ (x_q − z_x) w = Σ x_q w − z_x Σ w``, so the kernels multiply raw ``x_q``
+  (padding pads with ``z_x``, which keeps the correction exact at the borders).
+* **Bias**: int32 in the same units where the requantization is fixed point; unrounded in a
+  float epilogue, ``β_c = b_c / (s_x · s_c)`` added to ``float32(acc)`` — rounding a batch norm's
+  shift folded into the bias would move its whole channel by up to ``m_c / 2`` steps.
 * **Requantization** by ``m_c = s_x · s_c / s_y``, one of two ways the policy names, then
   ``+ z_y`` and clamped to the output type (and to ``z_y`` from below after a ReLU):
 
@@ -21,10 +24,10 @@ The formulas (``q = round(x / s) + z``, ``x = s · (q − z)``):
     an int32 in ``[2^30, 2^31)``, ``y = (acc · M_c + 2^(S_c − 1)) >> S_c`` in int64 (round half
     up);
   - ``float``, as CPUs do it fastest (x86, aarch64; XNNPACK's and onnxruntime's choice):
-    ``y = round_half_even(float32(acc) · float32(m_c))``, IEEE single operations that every
-    CPU rounds alike. AVX2 has no 64-bit multiply or shift: the fixed-point epilogue cost
+    ``y = round_half_even((float32(acc) + β_c) · float32(m_c))``, IEEE single operations that
+    every CPU rounds alike. AVX2 has no 64-bit multiply or shift: the fixed-point epilogue cost
     MobileNetV2's INT8 build 7 % of its time. A region whose accumulator could leave the int32
-    range once scaled (``Σ|w_c| · max|x_q| + |b_c|`` times ``m_c`` ≥ 2^30) keeps fixed point.
+    range once scaled (``Σ|w_c| · max|x_q − z_x| + |β_c|`` times ``m_c`` ≥ 2^30) keeps fixed point.
 
   Targets with the same policy compute exactly the same integers (x86 and aarch64 agree bit
   for bit, as x86 with the npu's policy and the npu do).
@@ -239,22 +242,37 @@ def requantize_reference(acc: np.ndarray, m: np.ndarray, shift: np.ndarray) -> n
     return (acc * m + (np.int64(1) << (shift - 1))) >> shift
 
 
-def float_requantize_reference(acc: np.ndarray, multiplier: np.ndarray) -> np.ndarray:
-    """The float requantization in numpy, before adding the zero point."""
-    scaled = acc.astype(np.float32) * np.asarray(multiplier).astype(np.float32)
+def float_requantize_reference(
+    acc: np.ndarray, multiplier: np.ndarray, offset: np.ndarray | None = None
+) -> np.ndarray:
+    """The float requantization in numpy, before adding the zero point: ``(acc + β) · m`` in
+    float32 (``offset`` is ``β``)."""
+    scaled = acc.astype(np.float32)
+    if offset is not None:
+        scaled = scaled + np.asarray(offset).astype(np.float32)
+    scaled = scaled * np.asarray(multiplier).astype(np.float32)
     return np.rint(scaled).astype(np.int64)
 
 
 def float_requantize_fits(
-    w_q: np.ndarray, bias: np.ndarray, axis: int, x: ActivationQ, multiplier: np.ndarray
+    w_q: np.ndarray, offset: np.ndarray, axis: int, x: ActivationQ, multiplier: np.ndarray
 ) -> bool:
-    """Whether every scaled accumulator ``acc_c · m_c`` stays well inside int32 (so its float
-    rounding converts back exactly): ``|acc_c| ≤ Σ|w_c| · max|x_q| + |b_c|``."""
+    """Whether every scaled accumulator ``(acc_c + β_c) · m_c`` stays well inside int32 (so its
+    float rounding converts back exactly): ``|acc_c| ≤ Σ|w_c| · max|x_q − z_x|``, and
+    ``offset`` is ``β`` (:func:`float_bias`)."""
     channels = w_q.shape[axis]
     weights = np.moveaxis(np.abs(w_q.astype(np.float64)), axis, 0).reshape(channels, -1)
-    largest = max(abs(x.qmin), abs(x.qmax))
-    bound = weights.sum(axis=1) * largest + np.abs(bias.astype(np.float64)).reshape(channels)
+    largest = max(x.zero_point - x.qmin, x.qmax - x.zero_point)
+    bound = weights.sum(axis=1) * largest + np.abs(offset.reshape(channels))
     return bool(np.all(bound * multiplier < _FLOAT_LIMIT))
+
+
+def float_bias(
+    bias: np.ndarray | None, channels: int, x: ActivationQ, w_scales: np.ndarray
+) -> np.ndarray:
+    """A float epilogue's bias ``β_c = b_c / (s_x · s_c)``, in accumulator units, unrounded."""
+    b = np.zeros(channels) if bias is None else bias.astype(np.float64).reshape(channels)
+    return b / (x.scale * w_scales)
 
 
 def int32_bias(

@@ -53,7 +53,10 @@ class QuantizedModel:
                 f"(sha256 {qparams['model']['sha256'][:12]}…), not this file ({sha[:12]}…)"
             )
         by_id = {entry["profile_id"]: entry for entry in qparams["qparams"]}
-        regions = plan_regions(self.partitioned, self.imported.layers, by_id, fp32_fallback)
+        float_outputs = not self.plugin.policy.integer_outputs
+        regions = plan_regions(
+            self.partitioned, self.imported.layers, by_id, fp32_fallback, float_outputs
+        )
         return QuantizedModel(self.imported, self.plugin, self.partitioned, regions, qparams)
 
     def manifest(self) -> dict:

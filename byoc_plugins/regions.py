@@ -16,7 +16,10 @@ nodes it covers (its lineage), and the tensors at its boundaries are named by th
   unsigned by signed.
 
 A region whose boundary has no qparams is an error naming the region, unless the user asked for
-FP32 fallback: then it stays FP32, and :class:`Region` says why.
+FP32 fallback: then it stays FP32, and :class:`Region` says why. Its output needs none where the
+target's policy leaves outputs that FP32 operators read in FP32 (``integer_outputs`` off): no
+region reads that output in 8 bits (it would need the same qparams as its input), so it leaves
+as a scaled accumulator — a QDQ model pairs only what integer operators read.
 """
 
 from __future__ import annotations
@@ -44,13 +47,10 @@ class Region:
     float_region: FloatRegion
     profile_ids: tuple[str, ...]  # its lineage, sorted
     input: ActivationQ | None  # None: stays FP32 (see ``fallback``)
-    output: ActivationQ | None
+    output: ActivationQ | None  # None: FP32 (no qparams, or the region stays FP32)
+    output_id: str | None  # the tensor the region computes (None: none of the initial IR)
     fallback: str | None = None  # why the region stays FP32
     operand: ActivationQ | None = None  # a batch_matmul's second (activation) operand
-
-    @property
-    def output_id(self) -> str:
-        return self.output.profile_id
 
     def to_json(self) -> dict:
         return {
@@ -60,6 +60,7 @@ class Region:
             "profile_ids": list(self.profile_ids),
             "weight_id": self.float_region.weight_id,
             "input": self.input and self.input.to_json(),
+            "output_id": self.output_id,
             "output": self.output and self.output.to_json(),
             **({"operand": self.operand.to_json()} if self.operand else {}),
             "fallback": self.fallback,
@@ -116,8 +117,10 @@ def plan_regions(
     layers: list[LayerRecord],
     qparams: dict[str, dict],
     fp32_fallback: bool = False,
+    float_outputs: bool = True,
 ) -> list[Region]:
-    """A :class:`Region` per composite call of a partitioned module, with its qparams."""
+    """A :class:`Region` per composite call of a partitioned module, with its qparams
+    (``float_outputs``: the target leaves outputs FP32 operators read in FP32)."""
     namer = _Namer(mod, layers)
     regions = []
     for binding, func in composite_calls(mod):
@@ -131,13 +134,16 @@ def plan_regions(
             what: (namer.tensor_id(ids), ids)
             for what, ids in [(w, namer.values.get(v, frozenset())) for w, v in tensors]
         }
-        boundary["output"] = (namer.tensor_id(lineage), lineage)
+        output_id = namer.tensor_id(lineage)
+        if output_id in qparams or not float_outputs:
+            boundary["output"] = (output_id, lineage)
         pattern = str(func.attrs["Composite"])
         common = {
             "name": name,
             "pattern": pattern,
             "float_region": float_region,
             "profile_ids": tuple(sorted(lineage)),
+            "output_id": output_id,
         }
         missing = [
             f"{what} {found!r}" if found else f"{what} (no tensor in {sorted(ids)})"
@@ -151,6 +157,7 @@ def plan_regions(
             regions.append(Region(**common, input=None, output=None, fallback=reason))
             continue
         q = {what: ActivationQ.from_entry(qparams[found]) for what, (found, _) in boundary.items()}
+        q.setdefault("output", None)
         if "operand" in q:
             q["operand"] = q["operand"].symmetric()
         regions.append(Region(**common, **q))

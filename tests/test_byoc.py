@@ -21,7 +21,7 @@ from onnx import helper
 from tvm import relax
 from typer.testing import CliRunner
 
-from rangeprof.byoc.evaluate import evaluate
+from rangeprof.byoc.evaluate import evaluate, program
 from rangeprof.byoc.plugin import get_plugin
 from rangeprof.byoc.policy import (
     FIXED_POINT,
@@ -114,11 +114,13 @@ def _conv_reference(xq, zx, wq, stride, pad, dilation, groups):
 def _requantize(
     acc, bias_f, x_q, w_scales, out_q, axis_shape, lo=-math.inf, hi=math.inf, mode=FIXED_POINT
 ):
-    acc = acc + np.round(bias_f / (x_q["scale"] * w_scales)).astype(np.int64).reshape(axis_shape)
     multiplier = x_q["scale"] * w_scales / out_q["scale"]
-    if mode == FLOAT:
-        y = float_requantize_reference(acc, multiplier.reshape(axis_shape))
+    if mode == FLOAT:  # the bias unrounded, in accumulator units
+        offset = (bias_f / (x_q["scale"] * w_scales)).reshape(axis_shape)
+        y = float_requantize_reference(acc, multiplier.reshape(axis_shape), offset)
     else:
+        bias_q = np.round(bias_f / (x_q["scale"] * w_scales)).astype(np.int64)
+        acc = acc + bias_q.reshape(axis_shape)
         m, shift = fixed_point(multiplier)
         y = requantize_reference(acc, m.reshape(axis_shape), shift.reshape(axis_shape))
     y = y + out_q["zero_point"]
@@ -213,7 +215,8 @@ def test_conv_region_equals_integer_formula(case, weight_bits, requantize, tmp_p
 
 
 def test_region_feeding_fp32_leaves_as_scaled_accumulator(tmp_path):
-    """x86 skips requantizing an output only FP32 operators read: ``s_x · s_c · acc``."""
+    """x86 skips requantizing an output only FP32 operators read: ``s_x · s_c · (acc + β)``,
+    the bias ``β`` unrounded."""
     rng = np.random.default_rng(7)
     model, w, b = conv_relu(rng, 4, 8, 6)
     path = save(model, tmp_path)
@@ -222,9 +225,9 @@ def test_region_feeding_fp32_leaves_as_scaled_accumulator(tmp_path):
     _, got = _run_region(path, _doc(path, [x_q, _asym(0.0, 4.0, "act")]), x, X86)
     wq, w_scales = quantize_weights(w, 0, POLICY)
     acc = _conv_reference(_quantize(x, x_q), x_q["zero_point"], wq, 1, 1, 1, 1)
-    acc = acc + np.round(b / (x_q["scale"] * w_scales)).astype(np.int64).reshape(1, -1, 1, 1)
+    offset = (b / (x_q["scale"] * w_scales)).astype(np.float32).reshape(1, -1, 1, 1)
     scale = (x_q["scale"] * w_scales).astype(np.float32).reshape(1, -1, 1, 1)
-    want = np.maximum(acc.astype(np.float32) * scale, 0)
+    want = np.maximum((acc.astype(np.float32) + offset) * scale, 0)
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
@@ -338,13 +341,35 @@ def test_digits_regions_follow_lineage_and_stay_int8_between_regions(digits_prof
 @pytest.mark.zoo
 def test_missing_profile_is_an_error_or_an_explicit_fp32_fallback(digits_profile):
     doc = qparams_from_profile(digits_profile, X86, "max", 99.99)
-    doc["qparams"] = [q for q in doc["qparams"] if q["profile_id"] != "/Relu_2"]
-    with pytest.raises(RangeprofError, match=r"no qparams for its output.*Relu_2"):
+    doc["qparams"] = [q for q in doc["qparams"] if q["profile_id"] != "/MaxPool"]
+    with pytest.raises(RangeprofError, match=r"no qparams for its input.*MaxPool"):
         quantize_model(zoo_model("digits_cnn"), doc, X86)
     qm = quantize_model(zoo_model("digits_cnn"), doc, X86, fp32_fallback=True)
     fallback = [r for r in qm.regions if r.fallback]
     assert len(fallback) == 1 and "/c3/Conv" in fallback[0].profile_ids
     assert "R.nn.conv2d(lv" in qm.lower()[0]["main"].script()  # the FP32 conv, inline
+
+
+@pytest.mark.zoo
+def test_an_output_only_fp32_operators_read_needs_no_qparams(digits_profile):
+    """``/Relu_2`` goes to a max pool: x86 leaves it as a scaled accumulator and needs no
+    qparams for it (a QDQ model pairs no such tensor); integer-only hardware does."""
+    doc = qparams_from_profile(digits_profile, X86, "max", 99.99)
+    doc["qparams"] = [q for q in doc["qparams"] if q["profile_id"] != "/Relu_2"]
+    qm = quantize_model(zoo_model("digits_cnn"), doc, X86)
+    (region,) = [r for r in qm.regions if r.output_id == "/Relu_2"]
+    assert region.output is None and region.fallback is None and region.input is not None
+    full = quantize_model(
+        zoo_model("digits_cnn"), qparams_from_profile(digits_profile, X86, "max", 99.99), X86
+    )
+    x = np.load(SHARED / "data" / "digits.npz")["test"][:1]
+    got, want = (program(m, "int8", {}, {}).run([x])[0] for m in (qm, full))
+    np.testing.assert_array_equal(got, want)  # its output never was requantized
+    npu = get_plugin("npu")
+    doc = qparams_from_profile(digits_profile, npu, "max", 99.99)
+    doc["qparams"] = [q for q in doc["qparams"] if q["profile_id"] != "/Relu_2"]
+    with pytest.raises(RangeprofError, match=r"no qparams for its output.*Relu_2"):
+        quantize_model(zoo_model("digits_cnn"), doc, npu)
 
 
 @pytest.mark.zoo

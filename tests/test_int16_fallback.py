@@ -51,9 +51,9 @@ def test_int16_conv_region_equals_integer_formula(tmp_path):
     xq = np.clip(np.round(x / np.float32(wide.scale)), -levels, levels).astype(np.int64)
     wq, w_scales = quantize_weights(w, 0, X86.policy, b, wide.scale)
     acc = _conv_reference(xq, 0, wq, 1, 1, 1, 1)
-    acc = acc + np.round(b / (wide.scale * w_scales)).astype(np.int64).reshape(1, -1, 1, 1)
+    offset = (b / (wide.scale * w_scales)).astype(np.float32).reshape(1, -1, 1, 1)
     scale = (wide.scale * w_scales).astype(np.float32).reshape(1, -1, 1, 1)
-    want = np.maximum(acc.astype(np.float32) * scale, 0)
+    want = np.maximum((acc.astype(np.float32) + offset) * scale, 0)
     assert got.dtype == np.float32 and np.array_equal(got, want)
     fp32, int8 = _run(qm, {region.name: FP32}, x), _run(qm, {}, x)
     # 256 times the input resolution: the error left is mostly the int8 weights'.

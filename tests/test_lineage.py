@@ -73,12 +73,18 @@ def test_negative_scale_through_relu_does_not_fold(tmp_path):
     assert "scale" not in conv
 
 
-def test_scale_before_conv_folds_backward(tmp_path):
-    tracked = _track("scale_before_conv", tmp_path)
-    folded = tracked.stage("fold_scale_axis")
+def test_scale_before_conv_folds_backward_unless_the_conv_is_quantized(tmp_path):
+    path = mb.save(BUILDERS["scale_before_conv"](), tmp_path)
+    folded = track_model(path).stage("fold_scale_axis")  # the FP32 build's stages
     assert not _lineage_of_op(folded, "relax.multiply")
     (conv,) = _lineage_of_op(folded, "relax.nn.conv2d")
     assert conv == {"conv", "scale"}
+    # A quantized build quantizes the tensor the conv reads: the scale stays in front of it.
+    kept = _track("scale_before_conv", tmp_path).stage("fold_scale_axis")
+    (mul,) = _lineage_of_op(kept, "relax.multiply")
+    assert mul == {"scale"}
+    (conv,) = _lineage_of_op(kept, "relax.nn.conv2d")
+    assert "scale" not in conv
 
 
 def test_constant_subgraph_folds_with_a_fate(tmp_path):

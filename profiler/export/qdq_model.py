@@ -9,8 +9,10 @@ operand is paired **symmetric int8**, on the grid the x86 build multiplies it on
 ONNX Runtime's fused u8 × s8 kernels add pairs of products in int16 with saturation,
 ``vpmaddubsw``: with full-range int8 weights its outputs leave the QDQ semantics — ORT's
 ``reduce_range`` — which its unfused execution and our build keep.) ORT's registry also quantizes
-``Add``, ``Mul``, pooling, ``Concat``…, which ``rangeprof build`` keeps FP32: with those,
-ppocr_cls's ORT outputs agree with the build's on 97.75 % of the samples instead of 98.75 %. So:
+``Add``, ``Mul``, pooling, ``Concat``…, which ``rangeprof build`` keeps FP32. These are the
+tensors the build quantizes (it folds no scale into a conv from in front:
+:func:`~rangeprof.profiler.ir.stages.fold_scale_axis_passes`), so a build of the export on its
+own pairs is the build of the profile. So:
 
 * an **activation** read by such an operator gets a pair ``x → QuantizeLinear → DequantizeLinear``
   on that edge (one pair per tensor, whichever quantized operators read it); other readers keep
@@ -24,7 +26,8 @@ ppocr_cls's ORT outputs agree with the build's on 97.75 % of the samples instead
 * a **bias** (``Conv``'s and ``Gemm``'s third input, one value per output channel, read by that
   operator alone) of an operator whose input and weight are quantized becomes int32 with scale
   ``s_x · s_w`` and zero point 0, as ONNX Runtime writes it (``Gemm``'s ``beta`` folded into it);
-  one that int32 cannot hold at that scale stays FP32.
+  one that int32 cannot hold at that scale stays FP32. (The x86 build adds it unrounded: half a
+  unit of ``s_x · s_w`` at most apart.)
 
 Scales and zero points are :func:`~rangeprof.profiler.calibrate.methods.qparams_for` of the
 profile entry whose ``source_tensor`` is the tensor: activations and inputs with the options as

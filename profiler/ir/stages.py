@@ -8,7 +8,7 @@ BYOC plugin, so that what ``inspect`` shows is what they run.
 * the **canonical** stages (:data:`CANONICAL`) are what everyone runs first; the profiling build
   stops after ``fold_constant``, where every tensor of the initial IR still exists to be
   observed (nothing folds into a weight); the CPU build and the plugins go on to
-  ``fold_scale_axis``;
+  ``fold_scale_axis`` — the plugins folding forward only (:func:`fold_scale_axis_passes`);
 * ``equalize`` (cross-layer equalization,
   :mod:`~rangeprof.profiler.ir.passes.equalize`) runs only when asked, on the initial IR: the
   profiling build instruments the equalized model; a profile made with it records so and every
@@ -31,7 +31,7 @@ from tvm import relax
 from rangeprof.profiler.ir.lineage import StageReport, Tracked, stage_report
 from rangeprof.profiler.ir.passes.canonicalize import canonicalize, legalize_training_batch_norm
 from rangeprof.profiler.ir.passes.equalize import CrossLayerEqualization
-from rangeprof.profiler.ir.passes.fold_scale_axis import FoldScaleAxis
+from rangeprof.profiler.ir.passes.fold_scale_axis import FoldScaleAxis, ForwardFoldScaleAxis
 
 Patterns = list[relax.transform.FusionPattern]
 
@@ -39,20 +39,28 @@ Patterns = list[relax.transform.FusionPattern]
 @dataclass(frozen=True)
 class StageSpec:
     name: str
-    passes: Callable[[], list[tvm.transform.Pass]]
+    passes: Callable[[bool], list[tvm.transform.Pass]]  # of ``quantized``
+
+
+def fold_scale_axis_passes(quantized: bool) -> list[tvm.transform.Pass]:
+    """The ``fold_scale_axis`` stage. A quantized build folds forward only: an integer conv /
+    dense quantizes the tensor it reads in the initial IR — the tensor the profile measured and
+    every QDQ tool pairs — so a scale in front of it stays an FP32 operator (fused into the
+    quantize) instead of moving into its weights and making it quantize the tensor before."""
+    return [ForwardFoldScaleAxis() if quantized else FoldScaleAxis(), canonicalize]
 
 
 # Batch norms become per-channel constants, folded in numpy (``canonicalize``), then fold into
 # conv / dense weights, leaving one bias add per layer (``canonicalize`` again makes the biases
 # full rank).
 CANONICAL = (
-    StageSpec("equalize", lambda: [CrossLayerEqualization()]),
+    StageSpec("equalize", lambda _: [CrossLayerEqualization()]),
     StageSpec(
         "simplify_inference",
-        lambda: [legalize_training_batch_norm, relax.transform.DecomposeOpsForInference()],
+        lambda _: [legalize_training_batch_norm, relax.transform.DecomposeOpsForInference()],
     ),
-    StageSpec("fold_constant", lambda: [canonicalize]),
-    StageSpec("fold_scale_axis", lambda: [FoldScaleAxis(), canonicalize]),
+    StageSpec("fold_constant", lambda _: [canonicalize]),
+    StageSpec("fold_scale_axis", fold_scale_axis_passes),
 )
 PROFILED = "fold_constant"  # the last stage of the profiling build
 
@@ -64,17 +72,23 @@ def _canonical(until: str, equalize: bool) -> list[StageSpec]:
 
 
 def canonical_passes(
-    until: str = "fold_scale_axis", equalize: bool = False, tracked: bool = False
+    until: str = "fold_scale_axis",
+    equalize: bool = False,
+    tracked: bool = False,
+    quantized: bool = False,
 ) -> list[tvm.transform.Pass]:
-    """The canonical stages' passes, in order, up to and including stage ``until``;
-    ``tracked`` wraps each in :class:`Tracked` (carrying lineage through TVM's own passes)."""
-    passes = [p for spec in _canonical(until, equalize) for p in spec.passes()]
+    """The canonical stages' passes, in order, up to and including stage ``until``, for a
+    ``quantized`` build or not; ``tracked`` wraps each in :class:`Tracked` (carrying lineage
+    through TVM's own passes)."""
+    passes = [p for spec in _canonical(until, equalize) for p in spec.passes(quantized)]
     return [Tracked(p) for p in passes] if tracked else passes
 
 
 def canonicalized(mod: tvm.IRModule, equalize: bool = False) -> tvm.IRModule:
-    """``mod`` through every canonical stage, lineage tracked: what plugins partition."""
-    return tvm.transform.Sequential(canonical_passes(equalize=equalize, tracked=True))(mod)
+    """``mod`` through every canonical stage of a quantized build, lineage tracked: what
+    plugins partition."""
+    passes = canonical_passes(equalize=equalize, tracked=True, quantized=True)
+    return tvm.transform.Sequential(passes)(mod)
 
 
 def partition(mod: tvm.IRModule, patterns: Patterns) -> tvm.IRModule:
@@ -117,11 +131,13 @@ def run_stages(
     equalize: bool = False,
 ) -> list[Stage]:
     """Runs every stage on the tagged initial module and reports lineage after each;
-    ``partition`` with a plugin's ``patterns``, when given."""
+    ``partition`` with a plugin's ``patterns``, when given (the stages then those of a quantized
+    build)."""
     plan: list[tuple[str, str, Sequence[tvm.transform.Pass]]] = []
     source = "initial"
     for spec in _canonical("fold_scale_axis", equalize):
-        plan.append((spec.name, source, [Tracked(p) for p in spec.passes()]))
+        passes = spec.passes(patterns is not None)
+        plan.append((spec.name, source, [Tracked(p) for p in passes]))
         source = spec.name
     plan.append(("fuse_ops", source, _fuse_ops()))
     initial = stage_report("initial", mod, all_ids, previous_fates=initial_fates)
