@@ -99,6 +99,42 @@ def constant_subgraph() -> onnx.ModelProto:
     return single_io_model(nodes, inits, (2, 8), (2, 5))
 
 
+def shape_arithmetic() -> onnx.ModelProto:
+    """What exported transformers do with static shapes at run time: ``Shape`` → ``Gather`` →
+    ``Unsqueeze`` → ``Concat`` → ``Reshape``, and a ``Gather`` of one row by a constant index
+    (which the frontend normalises against the tensor's shape)."""
+    rng = np.random.default_rng(6)
+    inits = {"w": rng.normal(size=(4, 12)), "last": np.array([2], np.int64)}
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["qkv"], name="qkv"),
+        helper.make_node("Shape", ["qkv"], ["dims"], name="dims"),
+        helper.make_node("Gather", ["dims", "axis0"], ["batch"], name="batch", axis=0),
+        helper.make_node("Unsqueeze", ["batch", "axis0_1d"], ["batch_1d"], name="batch_1d"),
+        helper.make_node("Concat", ["batch_1d", "minus1", "last"], ["split"], name="split", axis=0),
+        helper.make_node("Reshape", ["qkv", "split"], ["heads"], name="heads"),
+        helper.make_node("Gather", ["heads", "one"], ["y"], name="second_head", axis=1),
+    ]
+    constants = {
+        "w": inits["w"].astype(np.float32),
+        "last": inits["last"],
+        "axis0": np.array(0, np.int64),
+        "axis0_1d": np.array([0], np.int64),
+        "minus1": np.array([-1], np.int64),
+        "one": np.array(1, np.int64),
+    }
+    graph = helper.make_graph(
+        nodes,
+        "shape_arithmetic",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+        [numpy_helper.from_array(v, k) for k, v in constants.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
 def unnamed_nodes() -> onnx.ModelProto:
     """Three unnamed nodes, two of the same op type."""
     nodes = [

@@ -22,6 +22,7 @@ BUILDERS = {
     "conv_bn_relu_negative_scale": lambda: mb.conv_bn_relu_scale(-1.0),
     "scale_before_conv": mb.scale_before_conv,
     "constant_subgraph": mb.constant_subgraph,
+    "shape_arithmetic": mb.shape_arithmetic,
 }
 
 
@@ -105,6 +106,17 @@ def test_constant_subgraph_folds_with_a_fate(tmp_path):
         assert "fc#0" in stage.report.fates
         alive = {i for lin in stage.report.lineage.values() for i in lin}
         assert alive.isdisjoint(stage.report.fates)
+
+
+def test_static_shape_arithmetic_folds_away(tmp_path):
+    """Shape computations on static shapes leave no run-time calls (each was a VM call per
+    inference): the reshape takes a constant shape and the row index a constant."""
+    folded = _track("shape_arithmetic", tmp_path).stage("fold_constant")
+    ops = set(_ops_by_key(folded).values())
+    assert not ops & {"relax.shape_of", "relax.shape_to_tensor", "relax.less", "relax.where"}
+    assert {"relax.matmul", "relax.reshape", "relax.take"} <= ops
+    # The shape ops' IDs went to the reshape and the take that absorbed them.
+    assert folded.report.fates["dims"].startswith("folded_into:")
 
 
 def test_fused_and_composite_functions_list_every_id_inside(tmp_path):
