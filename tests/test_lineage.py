@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 import tvm
 from tvm import relax
 
 from rangeprof.byoc.plugin import get_plugin
+from rangeprof.profiler.build.schedules import build
 from rangeprof.profiler.ir.lineage import Tracked, stage_report, untracked_bindings, verify_lineage
 from rangeprof.profiler.ir.passes.fold_constant import fold_constant_numpy
 from rangeprof.profiler.ir.stages import STAGE_NAMES
@@ -111,12 +114,21 @@ def test_constant_subgraph_folds_with_a_fate(tmp_path):
 def test_static_shape_arithmetic_folds_away(tmp_path):
     """Shape computations on static shapes leave no run-time calls (each was a VM call per
     inference): the reshape takes a constant shape and the row index a constant."""
-    folded = _track("shape_arithmetic", tmp_path).stage("fold_constant")
+    tracked = _track("shape_arithmetic", tmp_path)
+    folded = tracked.stage("fold_constant")
     ops = set(_ops_by_key(folded).values())
     assert not ops & {"relax.shape_of", "relax.shape_to_tensor", "relax.less", "relax.where"}
-    assert {"relax.matmul", "relax.reshape", "relax.take"} <= ops
-    # The shape ops' IDs went to the reshape and the take that absorbed them.
+    # The row of one constant index: a slice, which fuses (a take is a kernel of its own).
+    assert {"relax.matmul", "relax.reshape", "relax.strided_slice"} <= ops
+    assert "relax.take" not in ops
+    # The shape ops' IDs went to the reshape and the slice that absorbed them.
     assert folded.report.fates["dims"].startswith("folded_into:")
+    # And the CPU build of it computes what onnxruntime does.
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    vm = relax.VirtualMachine(build(tracked.imported.mod), tvm.cpu())
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    want = session.run(None, {"x": x})[0]
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), want, rtol=1e-5)
 
 
 def test_fused_and_composite_functions_list_every_id_inside(tmp_path):

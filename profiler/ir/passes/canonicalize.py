@@ -9,6 +9,7 @@ operators.
   ``ConvertLayout`` at that add, so constants of a binary op get leading unit axes up to the rank
   of the other operand.
 * **Batch norms in training mode** legalized first (:data:`legalize_training_batch_norm`).
+* **A take of one constant index as a slice** (it fuses; a gather does not).
 * **Stack as a concat** of ``expand_dims``, **dropout as its inference value** (the input and
   a mask of ones), **squeeze axes counted from the front**: TVM's layout inference for these
   is broken. ``cosh`` and ``sinh`` through ``exp``, which LLVM lowers.
@@ -75,6 +76,10 @@ class _Canonicalize(ConstantFolder):
             return _hyperbolic(call)
         if call.op.name == "relax.squeeze" and call.attrs.axis is not None:
             return _squeeze_positive(call)
+        if call.op.name == "relax.take":
+            index = self._value(call.args[1])
+            if index is not None and index.ndim == 0 and call.attrs.axis is not None:
+                return _take_as_slice(call, int(index))
         if call.op.name == "relax.nn.dropout":  # inference: the input, and a mask of ones
             data = call.args[0]
             return relax.Tuple([data, with_ids(relax.op.ones_like(data), ids_of(call))])
@@ -146,6 +151,26 @@ def _squeeze_positive(call: relax.Call) -> relax.Call:
     ndim = call.args[0].ty.ndim
     axes = [int(a) % ndim for a in call.attrs.axis]
     return _spanned(relax.op.squeeze(call.args[0], axes), call.span)
+
+
+def _take_as_slice(call: relax.Call, index: int) -> relax.Call:
+    """``take`` of one constant index (a transformer's q / k / v out of one projection) as a
+    ``strided_slice`` and a ``squeeze``: injective, it fuses into what reads it, where the
+    gather's data-dependent load made ``take`` a kernel of its own."""
+    data, ids = call.args[0], ids_of(call)
+    axis = int(call.attrs.axis) % data.ty.ndim
+    size = data.ty.shape.values[axis]
+    if not isinstance(size, tvm.tirx.IntImm):
+        return call
+    size = int(size)
+    if call.attrs.mode == "wrap":
+        index %= size
+    elif call.attrs.mode == "clip":
+        index = min(max(index, 0), size - 1)
+    elif not 0 <= index < size:
+        return call  # out of range: left to fail at run time
+    piece = with_ids(relax.op.strided_slice(data, [axis], [index], [index + 1]), ids)
+    return _spanned(relax.op.squeeze(piece, [axis]), call.span)
 
 
 @tvm.transform.module_pass(opt_level=0, name="Canonicalize")
