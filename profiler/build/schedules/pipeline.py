@@ -18,7 +18,8 @@ Order of passes, and why:
    time), chosen by dtype: float32 (:mod:`.conv2d`, :mod:`.dense`) or 8-bit or int16 activations ×
    int8 constant weights → int32 (:mod:`.conv2d_int8`, :mod:`.dense_int8`; a matmul's int8
    right operand may be an activation too, packed at run time by a kernel of its own), and the int64
-   requantization arithmetic in 32-bit instructions (:mod:`.requantize`). ``FuseOps`` / ``FuseTIR``
+   requantization arithmetic in 32-bit instructions (:mod:`.requantize`), float32 ``erf`` as a
+   vectorisable approximation (:mod:`.activations`). ``FuseOps`` / ``FuseTIR``
    then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it
    (:mod:`.conv2d`, :mod:`.conv2d_int8`, :mod:`.dense_int8` and its run-time packing,
@@ -38,6 +39,7 @@ import tvm
 from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
+from rangeprof.profiler.build.schedules.activations import legalize_erf
 from rangeprof.profiler.build.schedules.conv2d import legalize_conv2d, schedule_conv2d
 from rangeprof.profiler.build.schedules.conv2d_int8 import (
     is_integer,
@@ -151,6 +153,7 @@ def relax_pipeline(
         "relax.matmul": _by_dtype(legalize_matmul, legalize_matmul_int8),
         "relax.multiply": legalize_multiply,
         "relax.right_shift": legalize_right_shift,
+        "relax.erf": legalize_erf,
     }
     # conv2d_transpose stays NCHW (TVM legalizes it in no other layout): the rewrite transposes
     # around it, and only it.
