@@ -21,7 +21,7 @@ from rangeprof.profiler.calibrate.methods import (
 )
 from rangeprof.profiler.errors import RangeprofError
 
-from conftest import SHARED, ZOO_SHAPES, zoo_model
+from conftest import TEXTLINES
 from onnx_builders import gemm, save
 from profile_builders import entry, profile
 
@@ -547,22 +547,6 @@ def test_calibrate_document_validates(options):
 
 # --- the model zoo ---------------------------------------------------------------------------
 
-TEXTLINES = SHARED / "data" / "textlines.npz"
-
-
-@pytest.fixture(scope="module")
-def ppocr_profile():
-    """ppocr_cls on 32 text lines: batch norms without ReLU, hard-swish, SE-block tensors that do
-    not reach 0, and first ReLUs with spiky histograms (flat regions of the images)."""
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
-
-    return profile_model(
-        zoo_model("ppocr_cls"),
-        f"{TEXTLINES}:calib",
-        input_shapes=ZOO_SHAPES["ppocr_cls"],
-        options=ProfileOptions(samples=32),
-    )
-
 
 @pytest.mark.zoo
 @pytest.mark.parametrize("options", GRIDS[:2])
@@ -578,22 +562,20 @@ def test_best_has_the_least_estimated_error_on_ppocr_tensors(ppocr_profile, opti
 
 
 @pytest.mark.zoo
-def test_ppocr_int8_top1_with_entropy_and_best(ppocr_profile):
+def test_ppocr_int8_top1_with_entropy_and_best(ppocr_profile, ppocr_x86):
     """x86 INT8 (asymmetric uint8 activations) on the first 100 test lines, FP32 94 %. Entropy
     searched with the symmetric scheme's 128 levels lost 11 top-1 points here (output SQNR
     6.9 dB); measured now: entropy +2 points, 18.4 dB; best ±0, 23.9 dB."""
     from rangeprof.byoc.evaluate import evaluate
-    from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+    from rangeprof.byoc.quantized import qparams_from_profile
 
-    x86 = get_plugin("x86")
-    model, shapes = zoo_model("ppocr_cls"), ZOO_SHAPES["ppocr_cls"]
+    base, compiled = ppocr_x86
     labels = np.load(TEXTLINES)["test_labels"]
-    qm, compiled, results = None, {}, {}
+    results = {}
     for method in ("entropy", "best"):
-        qparams = qparams_from_profile(ppocr_profile, x86, method, 99.99)
+        qparams = qparams_from_profile(ppocr_profile, base.plugin, method, 99.99)
         assert qparams["options"]["method"] == method
-        qm = quantize_model(model, qparams, x86, shapes) if qm is None else qm.replanned(qparams)
+        qm = base.replanned(qparams)
         data = f"{TEXTLINES}:test"
         results[method] = evaluate(qm, data, labels, samples=100, compiled=compiled).to_json()
     for method, doc in results.items():
