@@ -40,11 +40,45 @@ def zoo_model(name: str) -> Path:
     return path
 
 
+# Seconds a file takes (Zen 3, one core each, rounded), for those over half a minute. Under
+# pytest-xdist (`--dist loadfile`, no reordering by test count) the files are handed out in
+# this order, longest first, so that the two workers finish together instead of one waiting on
+# a long file handed out last. Only the order depends on it: a stale number costs balance.
+SLOW_FILES = {
+    "test_pypi_zoo.py": 280,
+    "test_calibration.py": 230,
+    "test_dashboard.py": 150,
+    "test_api_builds.py": 150,
+    "test_profile.py": 130,
+    "test_ray.py": 120,
+    "test_export_qdq.py": 100,
+    "test_converters.py": 75,
+    "test_fuzz.py": 75,
+    "test_fold_scale_axis.py": 70,
+    "test_python_api.py": 60,
+    "test_int16_fallback.py": 55,
+    "test_bias_correction.py": 50,
+    "test_zoo.py": 50,
+    "test_batch_matmul.py": 45,
+    "test_api_restart.py": 45,
+    "test_byoc.py": 40,
+    "test_export_model_explorer.py": 40,
+    "test_channel_stats.py": 35,
+    "test_npu.py": 35,
+    "test_aarch64.py": 35,
+    "test_api.py": 35,
+    "test_api_pressure.py": 35,
+    "test_package.py": 30,
+}
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """A test marked ``backend(NAME)`` runs on that database backend alone: of the
     parametrizations of its service fixture (``params=BACKENDS``), the others are deselected.
     (Deselected rather than parametrized anew, so that the module's service on each backend is
-    still set up once and its tests keep their order.)"""
+    still set up once and its tests keep their order.) Under pytest-xdist, the files are
+    ordered by :data:`SLOW_FILES` (a stable sort: the tests of a file keep their order)."""
     keep, deselected = [], []
     for item in items:
         marker = item.get_closest_marker("backend")
@@ -59,6 +93,8 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = keep
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: -SLOW_FILES.get(item.path.name, 0))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -84,34 +120,3 @@ def digits_profile():
     return profile_model(
         model, f"{SHARED}/data/digits.npz:calib", options=ProfileOptions(samples=64)
     )
-
-
-TEXTLINES = SHARED / "data" / "textlines.npz"
-
-
-@pytest.fixture(scope="session")
-def ppocr_profile():
-    """ppocr_cls on 32 text lines: batch norms without ReLU, hard-swish, SE-block tensors that do
-    not reach 0, and first ReLUs with spiky histograms (flat regions of the images). Read-only."""
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
-
-    return profile_model(
-        zoo_model("ppocr_cls"),
-        f"{TEXTLINES}:calib",
-        input_shapes=ZOO_SHAPES["ppocr_cls"],
-        options=ProfileOptions(samples=32),
-    )
-
-
-@pytest.fixture(scope="session")
-def ppocr_x86(ppocr_profile):
-    """ppocr_cls imported and partitioned once for the x86 target (each calibration replans it,
-    as ``evaluate --method all`` does) and :func:`~rangeprof.byoc.evaluate.evaluate`'s program
-    cache, shared by the accuracy tests: the FP32 program is compiled once."""
-    from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
-
-    x86 = get_plugin("x86")
-    qparams = qparams_from_profile(ppocr_profile, x86, "max", 99.99)
-    qm = quantize_model(zoo_model("ppocr_cls"), qparams, x86, ZOO_SHAPES["ppocr_cls"])
-    return qm, {}

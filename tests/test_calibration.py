@@ -21,7 +21,7 @@ from rangeprof.profiler.calibrate.methods import (
 )
 from rangeprof.profiler.errors import RangeprofError
 
-from conftest import TEXTLINES
+from conftest import SHARED, ZOO_SHAPES, zoo_model
 from onnx_builders import gemm, save
 from profile_builders import entry, profile
 
@@ -547,6 +547,36 @@ def test_calibrate_document_validates(options):
 
 # --- the model zoo ---------------------------------------------------------------------------
 
+TEXTLINES = SHARED / "data" / "textlines.npz"
+
+
+@pytest.fixture(scope="module")
+def ppocr_profile():
+    """ppocr_cls on 32 text lines: batch norms without ReLU, hard-swish, SE-block tensors that do
+    not reach 0, and first ReLUs with spiky histograms (flat regions of the images). Read-only."""
+    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+
+    return profile_model(
+        zoo_model("ppocr_cls"),
+        f"{TEXTLINES}:calib",
+        input_shapes=ZOO_SHAPES["ppocr_cls"],
+        options=ProfileOptions(samples=32),
+    )
+
+
+@pytest.fixture(scope="module")
+def ppocr_x86(ppocr_profile):
+    """ppocr_cls imported and partitioned once for the x86 target (each calibration replans it,
+    as ``evaluate --method all`` does) and :func:`~rangeprof.byoc.evaluate.evaluate`'s program
+    cache, shared by the accuracy tests: the FP32 program is compiled once."""
+    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
+
+    x86 = get_plugin("x86")
+    qparams = qparams_from_profile(ppocr_profile, x86, "max", 99.99)
+    qm = quantize_model(zoo_model("ppocr_cls"), qparams, x86, ZOO_SHAPES["ppocr_cls"])
+    return qm, {}
+
 
 @pytest.mark.zoo
 @pytest.mark.parametrize("options", GRIDS[:2])
@@ -582,3 +612,20 @@ def test_ppocr_int8_top1_with_entropy_and_best(ppocr_profile, ppocr_x86):
         assert doc["int8_top1"] >= doc["fp32_top1"] - 2.0, (method, doc["int8_top1"])
     assert results["entropy"]["output_sqnr_db"] > 15.0
     assert results["best"]["output_sqnr_db"] > 20.0
+
+
+@pytest.mark.zoo
+def test_ppocr_int8_top1_within_one_point_of_fp32(ppocr_profile, ppocr_x86):
+    """The pretrained PP-OCR direction classifier: INT8 (x86, MSE calibration on 32 samples)
+    within one top-1 point of FP32 on the first 200 test lines. (Beside the test above, in one
+    file, so that the FP32 program is compiled once for both.)"""
+    from rangeprof.byoc.evaluate import evaluate
+    from rangeprof.byoc.quantized import qparams_from_profile
+
+    base, compiled = ppocr_x86
+    qm = base.replanned(qparams_from_profile(ppocr_profile, base.plugin, "mse", 99.99))
+    labels = np.load(TEXTLINES)["test_labels"]
+    doc = evaluate(qm, f"{TEXTLINES}:test", labels, samples=200, compiled=compiled).to_json()
+    assert doc["fp32_top1"] > 90
+    assert doc["int8_top1"] >= doc["fp32_top1"] - 1.0
+    assert doc["agreement"] > 95 and doc["output_sqnr_db"] > 18
