@@ -34,9 +34,9 @@ from rangeprof.service.limits import Limits
 from rangeprof.service.migrate import upgrade
 from rangeprof.service.models import Base
 
+from conftest import BACKENDS as BACKENDS  # defined there for its hook; tests import it here
 from conftest import SHARED
 
-BACKENDS = ("sqlite", "postgresql")
 # PostgreSQL of the test machines and CI: trust auth, an existing database to connect to.
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 DIGITS = SHARED / "data" / "digits.npz"

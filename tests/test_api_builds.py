@@ -56,6 +56,11 @@ class Digits:
     run: dict
 
 
+# The module's service runs on each backend. What is about the database (stored requests and
+# rows, refusals that leave nothing behind, deletion with the model) runs on both; the flows
+# whose time is TVM's compiles and evaluations (the same on either backend) run on one each,
+# spread over the two (marker `backend`, conftest.py), so that both backends serve builds,
+# evaluations and uploaded data.
 @pytest.fixture(scope="module", params=BACKENDS)
 def live(request, tmp_path_factory):
     with live_service(request.param, tmp_path_factory.mktemp(request.param), Limits()) as service:
@@ -119,6 +124,7 @@ def same_build(served: dict, built: dict) -> None:
     assert stable(served) == stable(built)
 
 
+@pytest.mark.backend("postgresql")
 def test_x86_build_runs_as_an_in_process_build(live, digits, tmp_path):
     path = f"/api/runs/{digits.run['id']}/builds"
     response = live.owner.post(path, json={"target": "x86", "method": "mse"})
@@ -157,6 +163,7 @@ def test_x86_build_runs_as_an_in_process_build(live, digits, tmp_path):
         assert live.anonymous.get(url).status_code == 401
 
 
+@pytest.mark.backend("sqlite")
 def test_a_build_from_stored_qparams_uses_them(live, digits, tmp_path):
     run_id = digits.run["id"]
     options = {"method": "max", "granularity": "per-channel"}
@@ -175,6 +182,7 @@ def test_a_build_from_stored_qparams_uses_them(live, digits, tmp_path):
     assert build["manifest"]["calibration"] == qparams["document"]["options"]
 
 
+@pytest.mark.backend("sqlite")
 def test_an_accuracy_budget_build_keeps_layers_fp32_as_its_request_does(live, digits, tmp_path):
     """A badly clipped calibration (percentile 50) costs top-1 points: a budget of 0 keeps the
     most sensitive layers FP32, exactly those the stored request keeps when run in process."""
@@ -234,6 +242,7 @@ def test_an_accuracy_budget_build_keeps_layers_fp32_as_its_request_does(live, di
     same_build(manifest, quantize.build(local))
 
 
+@pytest.mark.backend("postgresql")
 def test_an_evaluation_of_every_method_reports_the_best(live, digits):
     response = live.owner.post(
         f"/api/runs/{digits.run['id']}/evaluations",
@@ -260,6 +269,7 @@ def test_an_evaluation_of_every_method_reports_the_best(live, digits):
     assert report["fp32_top1"] - report["int8_top1"] <= 1.5  # within the budget
 
 
+@pytest.mark.backend("sqlite")
 def test_bias_correction_is_measured_on_the_runs_calibration_data(live, digits, tmp_path):
     path = f"/api/runs/{digits.run['id']}/builds"
     response = live.owner.post(path, json={"method": "mse", "bias_correction": True})
@@ -298,6 +308,7 @@ def test_bias_correction_is_measured_on_the_runs_calibration_data(live, digits, 
     assert row_counts(live.url) == before
 
 
+@pytest.mark.backend("postgresql")
 def test_stored_bias_correction_reads_the_runs_channel_means(live, digits, tmp_path):
     """A run profiled with channel statistics: its profile's means correct the biases, no data
     is linked into the build."""
@@ -370,17 +381,21 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_pat
 
 def test_deleting_the_model_deletes_its_builds_and_artifacts(live, digits):
     builds = live.owner.get(f"/api/runs/{digits.run['id']}/builds").json()
+    evaluations = live.owner.get(f"/api/runs/{digits.run['id']}/evaluations").json()
+    assert builds and evaluations
     blobs = [
         live.storage / b["artifact_sha256"][:2] / f"{b['artifact_sha256']}.zip" for b in builds
     ]
-    # The accuracy budget's evaluation data, which the evaluation of the same file shares.
+    # The evaluation data uploaded with an accuracy budget build (SQLite) or an evaluation
+    # (both): one file, one blob, which the jobs share.
     blobs += {
-        live.storage / b["data"]["sha256"][:2] / f"{b['data']['sha256']}.npz"
-        for b in builds
-        if b["data"]
+        live.storage / job["data"]["sha256"][:2] / f"{job['data']['sha256']}.npz"
+        for job in builds + evaluations
+        if job["data"]
     }
     assert len(blobs) > len(builds) and all(path.exists() for path in blobs)
     assert live.owner.delete(f"/api/models/{digits.model['id']}").status_code == 204
     assert row_counts(live.url)["build"] == 0
+    assert row_counts(live.url)["evaluation"] == 0
     assert not any(path.exists() for path in blobs)
     assert live.owner.get(f"/api/builds/{builds[0]['id']}").status_code == 404

@@ -397,25 +397,6 @@ def test_digits_int8_accuracy_and_layer_errors(digits_profile):
 
 
 @pytest.mark.zoo
-def test_ppocr_int8_top1_within_one_point_of_fp32():
-    """The pretrained PP-OCR direction classifier: INT8 (x86, MSE calibration on 32 samples)
-    within one top-1 point of FP32 on the first 200 test lines."""
-    from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
-
-    model, data = zoo_model("ppocr_cls"), SHARED / "data" / "textlines.npz"
-    shapes = {"x": (1, 3, 48, 192)}
-    profile = profile_model(
-        model, f"{data}:calib", input_shapes=shapes, options=ProfileOptions(samples=32)
-    )
-    qm = quantize_model(model, qparams_from_profile(profile, X86, "mse", 99.99), X86, shapes)
-    labels = np.load(data)["test_labels"]
-    doc = evaluate(qm, f"{data}:test", labels, samples=200).to_json()
-    assert doc["fp32_top1"] > 90
-    assert doc["int8_top1"] >= doc["fp32_top1"] - 1.0
-    assert doc["agreement"] > 95 and doc["output_sqnr_db"] > 18
-
-
-@pytest.mark.zoo
 def test_cli_build_artifact_loads_and_matches_evaluate(digits_profile, tmp_path):
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps(digits_profile))
