@@ -697,7 +697,7 @@ def test_run_progress_is_live_and_two_runs_compare(tab, live, digits):
     page.goto(f"/dashboard/models/{model_id}")
     page.evaluate("window.sameDocument = true")  # gone if the page reloads
     # Long enough for 1 s page polls (progress is written every 0.5 s) to catch it part done:
-    # 13 s on a Zen 3 core, seconds even on a fast machine.
+    # over 10 s on a Zen 3 core, seconds even on a fast machine.
     page.fill("#new-run input[name=random]", "5000")
     page.click("#new-run button")
     rows = page.locator("#runs tbody tr")
