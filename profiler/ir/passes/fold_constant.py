@@ -51,13 +51,17 @@ def constant_value(expr) -> np.ndarray | None:
     return None
 
 
+def _static_dims(shape) -> tuple[int, ...] | None:
+    """The dimensions of a shape (``R.shape([...])`` or a tensor type's), when all are known."""
+    if not isinstance(shape, relax.ShapeExpr):
+        return None
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in shape.values):
+        return None
+    return tuple(int(d) for d in shape.values)
+
+
 def _static_shape(ty) -> tuple[int, ...] | None:
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    dims = ty.shape.values
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
-        return None
-    return tuple(int(d) for d in dims)
+    return _static_dims(ty.shape) if isinstance(ty, relax.TensorType) else None
 
 
 def _evaluate(call: relax.Call, args: list[np.ndarray]) -> np.ndarray | None:
@@ -85,15 +89,6 @@ def _evaluate(call: relax.Call, args: list[np.ndarray]) -> np.ndarray | None:
         except IndexError:
             return None  # left to fail at run time, where TVM checks it
     return None
-
-
-def _shape_value(expr) -> tuple[int, ...] | None:
-    """The dimensions of a static ``R.shape([...])``, else None."""
-    if not isinstance(expr, relax.ShapeExpr):
-        return None
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in expr.values):
-        return None
-    return tuple(int(d) for d in expr.values)
 
 
 class ConstantFolder(relax.PyExprMutator):
@@ -138,7 +133,7 @@ class ConstantFolder(relax.PyExprMutator):
             dims = _static_shape(call.args[0].ty)
             return None if dims is None else relax.ShapeExpr(list(dims))
         if name == "relax.shape_to_tensor":
-            dims = _shape_value(self._bound(call.args[0]))
+            dims = _static_dims(self._bound(call.args[0]))
             return None if dims is None else relax.const(np.array(dims, "int64"), "int64")
         if name == "relax.tensor_to_shape":
             value = self._value(call.args[0])
