@@ -26,6 +26,8 @@ let model;
 
 async function loadRun() {
   const run = await api(`/api/runs/${runId}`);
+  // Before the first render enables the downloads: their files are named after the model.
+  model ??= (await api("/api/models")).find((m) => m.id === run.model_id);
   const samples = run.samples_total ? `${run.samples_done}/${run.samples_total} samples` : undefined;
   const data = run.data.kind === "random" ? "random" : `${run.data.name}${run.data.key ? `:${run.data.key}` : ""}`;
   const timings = run.timings ? Object.entries(run.timings).map(([k, v]) => `${k} ${fmt(v, 3)} s`).join(", ") : "–";
@@ -283,7 +285,6 @@ document.getElementById("report").addEventListener("submit", async (event) => {
 async function main() {
   header(["Models", `${BASE}/`], `run ${runId}`);
   const run = await loadRun();
-  model = (await api("/api/models")).find((m) => m.id === run.model_id);
   header(["Models", `${BASE}/`], [model.name, `${BASE}/models/${model.id}?run=${runId}`], `run ${runId}`);
   document.getElementById("title").textContent = `${model.name}: run ${runId}`;
   if (ACTIVE.includes(run.status)) {
