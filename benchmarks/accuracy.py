@@ -16,10 +16,12 @@ on ``textlines.npz``, and the PyPI zoo's labelled models when fetched):
   adjustment off: it fails on magika) with each of its calibration methods (MinMax, Entropy,
   Percentile), calibrated on the same samples, run by onnxruntime on the same test samples.
 
-Every row: FP32 top-1 (each tool's own FP32 run), INT8 top-1, the drop in points, and the output
-SQNR of INT8 against its own FP32 model. Run::
+Every row: FP32 top-1 (each tool's own FP32 run), INT8 top-1, the drop in points, the agreement
+(the share of test samples whose INT8 top-1 is the FP32 model's: a flip either way counts,
+where top-1 lets a lucky flip cancel a lost one) and the output SQNR of INT8 against its own
+FP32 model. Run::
 
-    python benchmarks/accuracy.py [--models digits_cnn ppocr_cls] [--test-samples 400]
+    python benchmarks/accuracy.py [--models digits_cnn ppocr_cls] [--test-samples N]
         [--json benchmarks/accuracy-DATE.json]
 """
 
@@ -36,8 +38,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import version_converter
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -52,6 +52,7 @@ from rangeprof.workflows import profiling, quantize  # noqa: E402
 from rangeprof.workflows.requests import EvaluateRequest, ProfileRequest  # noqa: E402
 from labelled_data import magika_dataset  # noqa: E402
 from pypi_models import MODELS, fetch  # noqa: E402
+from ort_prepare import prepared_for_quantization  # noqa: E402
 
 # model -> () -> (ONNX file, data .npz with calib / test / test_labels, input shapes); made when
 # the model is measured (magika's data is built from files on this machine).
@@ -108,34 +109,19 @@ class _Reader(ortq.CalibrationDataReader):
         return next(self.feeds, None)
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-
-
 def _ort_outputs(path: Path, name: str, samples: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return np.concatenate([session.run(None, {name: s[None]})[0] for s in samples])
 
 
-def _ort_rows(model: Path, data: np.lib.npyio.NpzFile, test_samples: int) -> list[dict]:
+def _ort_rows(model: Path, data: np.lib.npyio.NpzFile, test_samples: int | None) -> list[dict]:
     name = ort.InferenceSession(str(model)).get_inputs()[0].name
     test, labels = data["test"][:test_samples], data["test_labels"][:test_samples]
     fp32 = _ort_outputs(model, name, test)
     fp32_top1 = 100.0 * float((fp32.argmax(1) == labels).mean())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        prepared, source = Path(tmp) / "prepared.onnx", Path(tmp) / "opset13.onnx"
-        proto = onnx.load(model)
-        if _opset(proto) < 13:
-            # Per-channel DequantizeLinear needs opset 13 (ppocr_cls is 11): upgraded first.
-            proto = version_converter.convert_version(proto, 13)
-        onnx.save(proto, source)
-        try:
-            ortq.quant_pre_process(str(source), str(prepared))
-        except Exception:
-            # ORT's symbolic shape inference fails on ppocr_cls's Concat (an assertion) and on
-            # magika's LayerNorm (an exception): without it, as ORT allows.
-            ortq.quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
+        prepared = prepared_for_quantization(model, Path(tmp))
         for label, method in ORT_METHODS.items():
             quantized = Path(tmp) / f"{label}.onnx"
             start = time.perf_counter()
@@ -155,6 +141,7 @@ def _ort_rows(model: Path, data: np.lib.npyio.NpzFile, test_samples: int) -> lis
             calibrate_s = time.perf_counter() - start
             int8 = _ort_outputs(quantized, name, test)
             int8_top1 = 100.0 * float((int8.argmax(1) == labels).mean())
+            agreement = 100.0 * float((int8.argmax(1) == fp32.argmax(1)).mean())
             rows.append(
                 {
                     "tool": "ort",
@@ -163,6 +150,7 @@ def _ort_rows(model: Path, data: np.lib.npyio.NpzFile, test_samples: int) -> lis
                     "fp32_top1": round(fp32_top1, 3),
                     "int8_top1": round(int8_top1, 3),
                     "drop": round(fp32_top1 - int8_top1, 3),
+                    "agreement": round(agreement, 3),
                     "output_sqnr_db": _sqnr(fp32, int8),
                     "calibrate_s": round(calibrate_s, 2),
                 }
@@ -171,7 +159,7 @@ def _ort_rows(model: Path, data: np.lib.npyio.NpzFile, test_samples: int) -> lis
 
 
 def _our_rows(
-    model: Path, data_path: Path, shapes: dict, test_samples: int, folder: Path
+    model: Path, data_path: Path, shapes: dict, test_samples: int | None, folder: Path
 ) -> list[dict]:
     profiles = {}
     for equalize in (False, True):
@@ -217,6 +205,7 @@ def _our_rows(
                     "fp32_top1": report["fp32_top1"],
                     "int8_top1": entry["int8_top1"],
                     "drop": round(report["fp32_top1"] - entry["int8_top1"], 3),
+                    "agreement": entry["agreement"],
                     "output_sqnr_db": entry["output_sqnr_db"],
                     "evaluate_s": round(seconds / len(report["methods"]), 2),
                 }
@@ -226,13 +215,13 @@ def _our_rows(
 
 def _print(model: str, rows: list[dict]) -> None:
     print(f"\n{model}")
-    head = ("tool", "method", "variant", "fp32", "int8", "drop", "SQNR dB")
-    print("{:10} {:11} {:10} {:>7} {:>7} {:>6} {:>8}".format(*head))
+    head = ("tool", "method", "variant", "fp32", "int8", "drop", "agree", "SQNR dB")
+    print("{:10} {:11} {:10} {:>7} {:>7} {:>6} {:>7} {:>8}".format(*head))
     for r in rows:
         sqnr = "exact" if r["output_sqnr_db"] is None else f"{r['output_sqnr_db']:.1f}"
         print(
             f"{r['tool']:10} {r['method']:11} {r['variant']:10} {r['fp32_top1']:7.2f} "
-            f"{r['int8_top1']:7.2f} {r['drop']:6.2f} {sqnr:>8}"
+            f"{r['int8_top1']:7.2f} {r['drop']:6.2f} {r['agreement']:7.2f} {sqnr:>8}"
         )
     for tool in ("rangeprof", "ort"):
         measured = [r for r in rows if r["tool"] == tool]
@@ -244,7 +233,9 @@ def _print(model: str, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=sorted(LABELLED), choices=sorted(LABELLED))
-    parser.add_argument("--test-samples", type=int, default=400)
+    parser.add_argument(
+        "--test-samples", type=int, help="The first N of each test set (default: all of it)."
+    )
     parser.add_argument("--tools", nargs="+", default=["rangeprof", "ort"])
     parser.add_argument("--json", type=Path, help="Written after each model.")
     args = parser.parse_args()

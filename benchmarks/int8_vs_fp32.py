@@ -41,11 +41,10 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count()))
 
 import rangeprof  # noqa: E402, F401, I001  (before onnxruntime.quantization: tests/conftest.py)
-import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
-from onnx import version_converter  # noqa: E402
 from onnxruntime import quantization as ortq  # noqa: E402
+from ort_prepare import prepared_for_quantization  # noqa: E402
 from tvm import relax  # noqa: E402
 
 from benchmarks.fp32_latency import (  # noqa: E402
@@ -117,17 +116,8 @@ def measure(name: str, samples: int, runs: int, method: str, shapes: dict) -> di
     with tempfile.TemporaryDirectory() as tmp:
         # onnxruntime's recommended pre-processing (shape inference, batch norms fused into
         # convs) before quantize_static.
-        prepared, quantized = Path(tmp) / "prepared.onnx", Path(tmp) / "int8.onnx"
-        source = Path(tmp) / "opset13.onnx"
-        proto = onnx.load(path)
-        if next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) < 13:
-            # Per-channel DequantizeLinear needs opset 13 (PP-OCRv4 rec is 11): upgraded first.
-            proto = version_converter.convert_version(proto, 13)
-        onnx.save(proto, source)
-        try:
-            ortq.quant_pre_process(str(source), str(prepared))
-        except Exception:  # ORT's symbolic shape inference fails on tiny_bert, PP-OCRv4 rec
-            ortq.quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
+        prepared = prepared_for_quantization(path, Path(tmp))
+        quantized = Path(tmp) / "int8.onnx"
         ortq.quantize_static(
             str(prepared),
             str(quantized),

@@ -62,7 +62,11 @@ class Profiled:
     profile_path: Path
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# ppocr_cls's cases (a deep net: minutes of builds and runs) go with the slow zoo checks.
+@pytest.fixture(
+    scope="module",
+    params=["digits_cnn", pytest.param("ppocr_cls", marks=pytest.mark.zoo)],
+)
 def profiled(request, tmp_path_factory) -> Profiled:
     name, case = request.param, CASES[request.param]
     model = zoo_model(name)
