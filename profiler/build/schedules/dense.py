@@ -32,6 +32,7 @@ from rangeprof.profiler.build.schedules.isa import VectorUnit, vector_unit
 
 DENSE = "dense_packed"
 MATMUL = "matmul"  # the block name of TVM's own matmul legalization
+COLUMNS = "dense_columns"
 
 
 def _column_block(n: int, unit: VectorUnit) -> int:
@@ -42,15 +43,33 @@ def _column_block(n: int, unit: VectorUnit) -> int:
     return largest_divisor(n, 2 * unit.lanes)
 
 
-def dense_packed(data, weight):
-    """``out[…, m, n] = Σ_k x[…, m, k] · w[n / nb, k, n % nb]``."""
+def _padded_column_block(n: int, unit: VectorUnit) -> int:
+    """The packed block of ``n`` columns: :func:`_column_block` where a vector fits, else
+    two vectors (one for fewer columns), the last block padded with zero weights — a
+    recognizer's 6625 classes would otherwise be packed 5 wide and never vectorised."""
+    nb = _column_block(n, unit)
+    if nb % max(4, unit.lanes // 2) == 0:
+        return nb
+    return 2 * unit.lanes if n > 2 * unit.lanes else unit.lanes
+
+
+def dense_packed(data, weight, columns: int):
+    """``out[…, m, n] = Σ_k x[…, m, k] · w[n / nb, k, n % nb]`` for ``n < columns``; a packed
+    weight padded past ``columns`` is computed in full and its padding columns dropped."""
     blocks, k_dim, nb = (int(d) for d in weight.shape)
     k = te.reduce_axis((0, k_dim), "k")
-    return te.compute(
+    out = te.compute(
         (*data.shape[:-1], blocks * nb),
         lambda *idx: te.sum(data[(*idx[:-1], k)] * weight[idx[-1] // nb, k, idx[-1] % nb], axis=k),
         name=DENSE,
     )
+    return out if blocks * nb == columns else first_columns(out, columns)
+
+
+def first_columns(out, columns: int):
+    """``out[…, :columns]``: a dense computed on padded columns, the padding dropped (a copy
+    that the schedules inline into the epilogue's output block)."""
+    return te.compute((*out.shape[:-1], columns), lambda *idx: out[idx], name=COLUMNS)
 
 
 def legalize_matmul(bb: relax.BlockBuilder, call: relax.Call):
@@ -62,9 +81,11 @@ def legalize_matmul(bb: relax.BlockBuilder, call: relax.Call):
         return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
     w = weight.value.numpy()
     k_dim, n = w.shape
-    nb = _column_block(n, vector_unit())
-    packed = np.ascontiguousarray(w.reshape(k_dim, n // nb, nb).transpose(1, 0, 2))
-    return bb.call_te(dense_packed, data, relax.const(packed, "float32"), primfunc_name_hint=DENSE)
+    nb = _padded_column_block(n, vector_unit())
+    w = np.pad(w, ((0, 0), (0, -n % nb)))
+    packed = np.ascontiguousarray(w.reshape(k_dim, -1, nb).transpose(1, 0, 2))
+    packed_weight = relax.const(packed, "float32")
+    return bb.call_te(dense_packed, data, packed_weight, n, primfunc_name_hint=DENSE)
 
 
 def _find_matmul(sch: s_tir.Schedule):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 from tvm import relax, s_tir, te, tirx
 
@@ -47,6 +48,7 @@ from rangeprof.profiler.build.schedules.conv2d_int8 import (
     is_integer,
     stage,
 )
+from rangeprof.profiler.build.schedules.dense import COLUMNS, first_columns
 from rangeprof.profiler.build.schedules.dot import INSTRUCTION, chosen_instruction
 from rangeprof.profiler.build.schedules.elementwise import (
     PARALLEL_MIN,
@@ -154,6 +156,23 @@ def _legalize_runtime(bb: relax.BlockBuilder, data, other) -> relax.Expr | None:
     )
 
 
+# Columns of a constant dense that no instruction's lanes divide are padded to a multiple of
+# the widest lanes (AVX-512's 16; AVX2's 8 and NEON's 4 divide it).
+_COLUMN_MULTIPLE = 16
+
+
+def _padded_columns(bb: relax.BlockBuilder, data, w: np.ndarray, rows: int):
+    """The dense on ``w`` padded with zero weight rows (a recognizer's 6625 classes would
+    otherwise run on TVM's scalar matmul), its padding columns dropped; None when no instruction
+    fits the padded weights either."""
+    columns = w.shape[0]
+    padded = np.pad(w, ((0, -columns % _COLUMN_MULTIPLE), (0, 0)))
+    legalized = dot_kernel(bb, dense_int8, DENSE, data, padded, rows)
+    if legalized is None:
+        return None
+    return bb.call_te(first_columns, bb.emit(legalized), columns, primfunc_name_hint=COLUMNS)
+
+
 def legalize_matmul_int8(bb: relax.BlockBuilder, call: relax.Call):
     """8-bit or int16 ``matmul`` with an int8 right operand → ``dense_int8``: a constant
     ``[K, N]`` one packed at build time, a run-time one packed per call."""
@@ -163,6 +182,8 @@ def legalize_matmul_int8(bb: relax.BlockBuilder, call: relax.Call):
         rows = math.prod(int(d) for d in data.ty.shape.values[:-1])
         w = weight.value.numpy().T  # [N, K]
         legalized = dot_kernel(bb, dense_int8, DENSE, data, w, rows)
+        if legalized is None and w.shape[0] % _COLUMN_MULTIPLE:
+            legalized = _padded_columns(bb, data, w, rows)
     elif is_integer(call, constant=False) and data.ty.ndim >= 2 and weight.ty.ndim >= 2:
         legalized = _legalize_runtime(bb, data, weight)
     if legalized is not None:
