@@ -72,6 +72,26 @@ def _gemm(n_out=1000):
     return single_io_model([node], inits, (3, 64), (3, n_out))
 
 
+def _affine_between_convs():
+    """conv → sigmoid → ``scale · x + bias`` with the scalar constants first (PP-LCNet's
+    learnable affine block, as Paddle exports it) → padded conv."""
+    rng = np.random.default_rng(11)
+    inits = {
+        "w1": rng.normal(size=(8, 4, 3, 3)),
+        "w2": rng.normal(size=(8, 8, 3, 3)),
+        "scale": [1.5],
+        "bias": [-0.25],
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["c1"], ["r"]),
+        helper.make_node("Mul", ["scale", "r"], ["m"]),
+        helper.make_node("Add", ["bias", "m"], ["a"]),
+        helper.make_node("Conv", ["a", "w2"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    return single_io_model(nodes, inits, (1, 4, 6, 6), (1, 8, 6, 6))
+
+
 def _matmul_odd_columns():
     """A classifier's MatMul without bias on a column count no vector width divides."""
     w = np.random.default_rng(8).normal(size=(24, 53))
@@ -160,6 +180,7 @@ CASES = {
     "gemm": _gemm,
     "gemm_odd_columns": lambda: _gemm(37),
     "matmul_odd_columns": _matmul_odd_columns,
+    "affine_between_convs": _affine_between_convs,
     "matmul_3d": _matmul_3d,
     "max_pool": lambda: _pooling("max"),
     "avg_pool": lambda: _pooling("avg"),
@@ -220,6 +241,22 @@ def test_zoo_matches_onnxruntime(name):
     inputs = model_inputs(load_model(path, ZOO_SHAPES.get(name) or None))
     feeds = next(open_data("random", inputs, samples=1).batches())
     _assert_close(_run(build(mod), list(feeds.values())), session.run(None, feeds)[0])
+
+
+def test_a_constant_first_operand_keeps_the_layout():
+    """``scale · x`` with the constant first stays NHWC between the convs: the only transposes
+    left are the input's and the output's (before: one on each side of the affine op)."""
+    from rangeprof.profiler.ir.passes.canonicalize import canonicalize
+    from rangeprof.profiler.ir.stages import canonical_passes
+
+    data = _affine_between_convs().SerializeToString()
+    mod = import_onnx(load_model_bytes(data, "affine.onnx")).mod
+    layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
+    passes = [*canonical_passes(), relax.transform.ConvertLayout(layouts), canonicalize]
+    main = tvm.transform.Sequential(passes)(mod)["main"]
+    calls = [b.value for block in main.body.blocks for b in block.bindings]
+    ops = [str(c.op.name) for c in calls if isinstance(c, relax.Call)]
+    assert ops.count("relax.permute_dims") == 2, ops
 
 
 def test_a_dense_on_columns_no_vector_divides_is_padded_and_vectorised():

@@ -8,6 +8,7 @@ operators.
   :class:`~rangeprof.profiler.ir.passes.fold_scale_axis.FoldScaleAxis` emits) stops
   ``ConvertLayout`` at that add, so constants of a binary op get leading unit axes up to the rank
   of the other operand.
+* **Constants second** in a commutative op (``ConvertLayout`` follows the first operand).
 * **Batch norms in training mode** legalized first (:data:`legalize_training_batch_norm`).
 * **A take of one constant index as a slice** (it fuses; a gather does not).
 * **Stack as a concat** of ``expand_dims``, **dropout as its inference value** (the input and
@@ -37,6 +38,10 @@ _BINARY = frozenset(
         "relax.minimum",
     )
 )
+# Their constant operand goes second: ``ConvertLayout`` takes a binary op's layout from its
+# first operand, and a constant first (PP-LCNet's ``scale * x``) kept the op in NCHW between
+# two transposes.
+_COMMUTATIVE = frozenset(("relax.add", "relax.multiply", "relax.maximum", "relax.minimum"))
 _CLIP_OPS = {tirx.Max: relax.op.maximum, tirx.Min: relax.op.minimum}
 
 
@@ -88,6 +93,8 @@ class _Canonicalize(ConstantFolder):
         args = [self.inlined(a) for a in call.args]
         if call.op.name in _BINARY:
             args = self._full_rank(args)
+        if call.op.name in _COMMUTATIVE and constant_value(args[0]) is not None:
+            args = args[::-1]
         return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
 
     def _full_rank(self, args: list) -> list:
