@@ -126,9 +126,10 @@ def test_a_1gb_data_upload_streams_through_bounded_server_memory(tmp_path):
 def test_uploads_past_the_cap_are_told_to_retry_while_reads_go_on(tmp_path):
     with live_service("sqlite", tmp_path, Limits(max_concurrent_uploads=1), jobs=0) as live:
         model = zoo_model("digits_cnn").read_bytes()
-        release = threading.Event()
+        sending, release = threading.Event(), threading.Event()
 
         def slow_parts() -> Iterator[bytes]:
+            sending.set()  # the request's headers are on the wire
             yield model[: len(model) // 2]
             release.wait(60)
             yield model[len(model) // 2 :]
@@ -142,11 +143,15 @@ def test_uploads_past_the_cap_are_told_to_retry_while_reads_go_on(tmp_path):
             )
         )
         sender.start()
+        # No probe before the first upload's request is out: a probe the server was receiving
+        # when it arrived would have it refused (the cap at work), and the test would wait for
+        # an upload that is not there.
+        assert sending.wait(30)
         try:
             deadline = time.monotonic() + 30
             while (busy := upload_model(live.stranger, zoo_model("digits_cnn"))).status_code != 503:
-                # Taken: the first upload's request had not reached the server yet (a busy
-                # machine can start its thread late); the cap must apply once it has.
+                # Taken: the first upload's request had not reached the server yet; the cap
+                # must apply once it has.
                 assert busy.status_code == 201, busy.text
                 assert time.monotonic() < deadline, "the cap never applied"
                 time.sleep(0.05)
