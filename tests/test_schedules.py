@@ -243,6 +243,40 @@ def test_zoo_matches_onnxruntime(name):
     _assert_close(_run(build(mod), list(feeds.values())), session.run(None, feeds)[0])
 
 
+def test_float_mod_is_numpys_at_infinities_and_signed_zeros():
+    """ONNX ``Mod(fmod=0)`` on floats is numpy's ``mod``: ``-3 mod inf`` is ``inf``, ``1 mod
+    -inf`` is ``-inf``, a zero takes the divisor's sign (TVM's ``x - floor(x / y) · y`` gives
+    NaN and unsigned zeros); random values agree bit for bit, a broadcast divisor too."""
+    from onnx import TensorProto
+
+    edges = np.array([0, -0.0, 0, -0.0, -3, 3, -1, 1, np.inf, -np.inf, 1, 1, np.nan, 1], np.float32)
+    divisors = np.array(
+        [-2, 2, 2, -2, np.inf, np.inf, -np.inf, -np.inf, 2, 2, 0, -0.0, 2, np.nan], np.float32
+    )
+    rng = np.random.default_rng(12)
+    cases = [
+        (edges, divisors),
+        (rng.normal(size=(3, 14)).astype(np.float32) * 10, rng.normal(size=14).astype(np.float32)),
+    ]
+    for x, y in cases:
+        graph = helper.make_graph(
+            [helper.make_node("Mod", ["x", "y"], ["z"], fmod=0)],
+            "mod",
+            [
+                helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape)),
+                helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y.shape)),
+            ],
+            [helper.make_tensor_value_info("z", TensorProto.FLOAT, list(x.shape))],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        mod = import_onnx(load_model_bytes(model.SerializeToString(), "mod.onnx")).mod
+        with np.errstate(invalid="ignore"):  # NaN for an infinite dividend or a zero divisor
+            want = np.mod(x, y)
+        got = _run(build(mod), [x, y])
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
 def test_a_constant_first_operand_keeps_the_layout():
     """``scale · x`` with the constant first stays NHWC between the convs: the only transposes
     left are the input's and the output's (before: one on each side of the affine op)."""

@@ -54,6 +54,7 @@ from rangeprof.profiler.build.schedules.dense_int8 import (
 )
 from rangeprof.profiler.build.schedules.dot import lower_dot_blocks
 from rangeprof.profiler.build.schedules.elementwise import root_blocks, schedule_generic
+from rangeprof.profiler.build.schedules.floor_mod import legalize_floor_mod
 from rangeprof.profiler.build.schedules.normalization import lower_exp, schedule_normalization
 from rangeprof.profiler.build.schedules.pooling import schedule_pooling
 from rangeprof.profiler.build.schedules.prepare import pad_int8_channels, untranspose_quantize
@@ -154,6 +155,7 @@ def relax_pipeline(
         "relax.multiply": legalize_multiply,
         "relax.right_shift": legalize_right_shift,
         "relax.erf": legalize_erf,
+        "relax.floor_mod": legalize_floor_mod,
     }
     # conv2d_transpose stays NCHW (TVM legalizes it in no other layout): the rewrite transposes
     # around it, and only it.
