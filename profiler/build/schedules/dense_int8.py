@@ -15,9 +15,11 @@ that FuseOps joins to ``B``'s quantize), in the instruction's weight type. ``B``
 so the instruction is one exact for every weight: ``vpdpbusd`` (AVX-512 VNNI), ``sdot`` (NEON),
 and on AVX2 ``vpmaddwd`` on int16 pairs (``vpmaddubsw`` saturates beyond ±64). An offset
 correction, when the activations change type, is ``-offset · Σ_k B`` per batch and column
-(:func:`offset_sums`), at run time too. Other integer matmuls (no instruction's lanes divide
-``N``, broadcast batch axes, dynamic shapes) keep TVM's legalization (and the FP32 rule's
-schedule, :mod:`.dense`, which does not mind the dtype).
+(:func:`offset_sums`), at run time too. Constant weights whose ``N`` no instruction's lanes
+divide are padded with zero rows to a multiple of the widest lanes, the padding columns dropped
+after the kernel. Other integer matmuls (a run-time ``B`` of such an ``N``, broadcast batch axes,
+dynamic shapes) keep TVM's legalization (and the FP32 rule's schedule, :mod:`.dense`, which does
+not mind the dtype).
 
 Schedule, loops ``batch…, m, n, k``: with constant weights all leading axes form one ``M`` (the
 weights are shared); a run-time ``B`` keeps its batch axes outermost, fused into the parallel
