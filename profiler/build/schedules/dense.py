@@ -3,9 +3,10 @@
 Legalization: ``matmul(x, W)`` with a constant 2-D float32 ``W[K, N]`` (an ONNX Gemm / MatMul
 with weights, after ``prepare`` folded its transpose) becomes ``dense_packed`` with ``W``
 repacked at build time to ``[N/nb, K, nb]``: each reduction step reads ``nb`` contiguous output
-columns (``nb`` = two, one or half a vector register of the target, dividing ``N``). Other
-matmuls (two activations, as in attention) keep TVM's legalization, whose block is named
-``matmul``.
+columns (``nb`` = two, one or half a vector register of the target, dividing ``N``; where none
+divides it, ``W`` is padded with zero columns to whole vectors and a copy drops the padding
+columns of the output). Other matmuls (two activations, as in attention) keep TVM's
+legalization, whose block is named ``matmul``.
 
 Schedule (both kinds, loops ``batch…, m, n, k``):
 
