@@ -15,9 +15,9 @@ drifts by tens of percent within one run (mobilenet_v2 FP32 6.5 to 10 ms between
 Every block median is kept in the JSON (``block_ms``). A model is a name of ../shared/models,
 of the PyPI test zoo (``tests/pypi_models.py``: ``ppocrv4_rec``, the attention text recognizer,
 ``ppocrv4_det``, ``magika``...) or a path; ``--input-shape NAME=DIMS`` fixes dynamic inputs
-(PP-OCRv4 rec: ``x=1,3,48,320``). Run::
+(PP-OCRv4 rec: ``x=1x3x48x320``). Run::
 
-    python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--input-shape N=D,...]
+    python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--input-shape NAME=DIMS]
         [--json out.json]
 """
 
@@ -56,7 +56,7 @@ from rangeprof.byoc.plugin import get_plugin  # noqa: E402
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model  # noqa: E402
 from rangeprof.profiler.profiling.data import model_inputs, open_data  # noqa: E402
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
-from rangeprof.profiler.ir.onnx_load import load_model  # noqa: E402
+from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noqa: E402
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model  # noqa: E402
 from rangeprof.profiler.build.schedules import build, host_target  # noqa: E402
 
@@ -182,12 +182,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--method", default="percentile")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=DIMS")
+    parser.add_argument(
+        "--input-shape", action="append", default=[], type=parse_input_shape, metavar="NAME=DIMS"
+    )
     args = parser.parse_args()
-    shapes = {}
-    for spec in args.input_shape:
-        key, dims = spec.split("=")
-        shapes[key] = tuple(int(d) for d in dims.split(","))
+    shapes = dict(args.input_shape)
     rows = []
     for name in args.models:
         row = measure(name, args.samples, args.runs, args.method, shapes)

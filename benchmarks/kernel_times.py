@@ -38,7 +38,7 @@ from rangeprof.profiler.build.schedules import host_target  # noqa: E402
 from rangeprof.profiler.build.schedules.pipeline import relax_pipeline  # noqa: E402
 from rangeprof.profiler.ir.bindings import tensor_dtype, tensor_shape  # noqa: E402
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
-from rangeprof.profiler.ir.onnx_load import load_model  # noqa: E402
+from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noqa: E402
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model  # noqa: E402
 
 
@@ -91,15 +91,14 @@ def kernel_ms(func: tirx.PrimFunc, arguments: list, repeat: int) -> float | None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
-    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=DIMS")
+    parser.add_argument(
+        "--input-shape", action="append", default=[], type=parse_input_shape, metavar="NAME=DIMS"
+    )
     parser.add_argument("--int8", action="store_true", help="the x86 plugin's INT8 program")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
-    shapes = {}
-    for spec in args.input_shape:
-        key, dims = spec.split("=")
-        shapes[key] = tuple(int(d) for d in dims.split(","))
+    shapes = dict(args.input_shape)
     mod = lowered(model_path(args.model), shapes, args.int8)
     calls, arguments = kernel_calls(mod)
     rows = []

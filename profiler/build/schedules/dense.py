@@ -44,12 +44,17 @@ def _column_block(n: int, unit: VectorUnit) -> int:
     return largest_divisor(n, 2 * unit.lanes)
 
 
+def _vectorised(nb: int, unit: VectorUnit) -> bool:
+    """Whether a block of ``nb`` columns fills whole vectors (of at least 4 lanes)."""
+    return nb % max(4, unit.lanes // 2) == 0
+
+
 def _padded_column_block(n: int, unit: VectorUnit) -> int:
     """The packed block of ``n`` columns: :func:`_column_block` where a vector fits, else
     two vectors (one for fewer columns), the last block padded with zero weights — a
     recognizer's 6625 classes would otherwise be packed 5 wide and never vectorised."""
     nb = _column_block(n, unit)
-    if nb % max(4, unit.lanes // 2) == 0:
+    if _vectorised(nb, unit):
         return nb
     return 2 * unit.lanes if n > 2 * unit.lanes else unit.lanes
 
@@ -106,7 +111,7 @@ def schedule_dense(sch: s_tir.Schedule) -> bool:
     *batch, m, n, k = sch.get_loops(block)
     unit = vector_unit()
     nb = _column_block(extent(sch, n), unit)
-    if nb % max(4, unit.lanes // 2):
+    if not _vectorised(nb, unit):
         return False  # no vector width fits the columns: the generic schedule does as well
     if sch.get(block).name_hint == DENSE and batch:
         # The weights are shared by every row: all leading axes form one M (a [128, 1, K]
