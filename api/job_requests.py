@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from rangeprof.profiler.errors import RangeprofError
-from rangeprof.workflows.requests import STORED
+from rangeprof.workflows.options import MEASURED, STORED
 
 from .catalog import MODEL_SUFFIX
 from .models import Model, Run
@@ -56,21 +56,19 @@ def job_request(kind: type[Request], **fields) -> Request:
         raise UploadError(fields_named) from None
 
 
-def calibration_spec(run: Run, asked: bool | str) -> str | None:
-    """The bias correction option of a job on ``run``'s ranges: its calibration data in the
-    job's folder, when ``asked``; a run of random data has none to offer. ``stored`` reads the
-    run's profile, which has per-channel means when the run recorded channel statistics."""
-    if not asked:
+def calibration_data(run: Run, asked: str | None) -> str | None:
+    """The calibration data of bias correction ``asked`` on ``run``'s ranges: for
+    ``measured``, the run's own .npz in the job's folder (a run of random data has none to
+    offer); ``stored`` reads the run's profile, which has per-channel means when the run
+    recorded channel statistics."""
+    if asked == STORED and not run.request.channel_stats:
+        raise UploadError("'bias_correction' 'stored' needs a run profiled with 'channel_stats'")
+    if asked != MEASURED:
         return None
-    if asked == STORED:
-        if not run.request.channel_stats:
-            raise UploadError(
-                "'bias_correction' 'stored' needs a run profiled with 'channel_stats'"
-            )
-        return STORED
     if run.data_sha256 is None:
         raise UploadError(
-            "'bias_correction' needs the run's calibration data: this run profiled random samples"
+            "'bias_correction' 'measured' needs the run's calibration data: this run profiled "
+            "random samples"
         )
     return f"{CALIBRATION_FOLDER}/{run.request.data}"
 

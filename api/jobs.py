@@ -33,7 +33,6 @@ from sqlalchemy import select, update
 
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.settings import settings
-from rangeprof.workflows.requests import STORED
 
 from . import catalog, execute
 from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
@@ -250,8 +249,8 @@ class Worker:
 
     def _link_calibration(self, folder: Path, job: Evaluation | Build, run: Run) -> None:
         """The run's calibration data, where a bias-corrected job's request names it."""
-        spec = job.request.bias_correction
-        if spec not in (None, STORED):  # stored: the profile's means, no data
+        spec = job.request.calibration_data
+        if spec is not None:  # bias correction 'measured'
             (folder / CALIBRATION_FOLDER).mkdir()
             self._link_data(folder, spec, run.data_sha256)
 

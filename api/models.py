@@ -47,11 +47,7 @@ from rangeprof.workflows.requests import BuildRequest, EvaluateRequest, ProfileR
 
 RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 BUILD_STATUSES = RUN_STATUSES
-# Targets whose INT8 code runs on this host, so their error can be measured here.
-EVALUATION_TARGETS = ("x86", "npu")
 EVALUATION_SOURCES = ("service", "report")
-# rangeprof.byoc.plugin.TARGETS, without importing TVM into the server.
-BUILD_TARGETS = ("x86", "aarch64", "npu")
 
 
 def utcnow() -> datetime:

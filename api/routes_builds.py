@@ -10,7 +10,8 @@ from fastapi.responses import FileResponse
 from pydantic import ValidationError
 from sqlalchemy import select
 
-from rangeprof.workflows.requests import STORED, BuildRequest
+from rangeprof.workflows.options import STORED, QuantizeOptions
+from rangeprof.workflows.requests import BuildRequest
 
 from . import catalog
 from .auth import Owner
@@ -20,7 +21,7 @@ from .job_requests import (
     ARTIFACT_FOLDER,
     PROFILE_FILE,
     QPARAMS_FILE,
-    calibration_spec,
+    calibration_data,
     invalid_body,
     job_request,
     model_file,
@@ -139,9 +140,9 @@ def create_build(
     with service.db.session() as session:
         run = done_run(session, owner, run_id)
         model = run.model
-        calibration = calibration_spec(run, body.bias_correction)
+        calibration = calibration_data(run, body.bias_correction)
         check_queue(session, owner, service.limits)
-        if not derived and calibration == STORED:
+        if not derived and body.bias_correction == STORED:
             raise UploadError("'bias_correction' 'stored' reads the run's profile: not qparams_id")
         if not derived:
             qparams = session.get(QParamsSet, body.qparams_id)
@@ -161,21 +162,19 @@ def create_build(
                 body.labels_key,
                 body.samples,
             )
-        source = {"profile": PROFILE_FILE, "method": body.method, "percentile": body.percentile}
+        options = body.model_dump(include=set(QuantizeOptions.model_fields))
+        if not derived:  # the stored set's method
+            options = {k: v for k, v in options.items() if k not in ("method", "percentile")}
         request = job_request(
             BuildRequest,
             model=model_file(model),
             out=ARTIFACT_FOLDER,
-            target=body.target,
-            **(source if derived else {"qparams": QPARAMS_FILE}),
+            **({"profile": PROFILE_FILE} if derived else {"qparams": QPARAMS_FILE}),
             input_shapes=model.input_shapes,
-            fp32_fallback=body.fp32_fallback,
-            accuracy_budget=body.accuracy_budget,
             data=uploaded and uploaded.data,
             labels=uploaded and uploaded.labels,
-            samples=body.samples,
-            weight_bits=body.weight_bits,
-            bias_correction=calibration,
+            calibration_data=calibration,
+            **options,
         )
         build = Build(
             model_id=model.id,

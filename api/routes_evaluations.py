@@ -8,12 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, Form, status
 from sqlalchemy import select
 
+from rangeprof.workflows.options import QuantizeOptions
 from rangeprof.workflows.requests import EvaluateRequest
 
 from . import catalog
 from .auth import Owner
 from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
-from .job_requests import PROFILE_FILE, calibration_spec, job_request, model_file, npz_ref
+from .job_requests import PROFILE_FILE, calibration_data, job_request, model_file, npz_ref
 from .limits import check_run_options
 from .models import Evaluation, Model, Run, TensorStat, utcnow
 from .schemas import (
@@ -98,7 +99,7 @@ def create_evaluation(
     with service.db.session() as session:
         run = done_run(session, owner, run_id)
         model = run.model
-        calibration = calibration_spec(run, form.bias_correction)
+        calibration = calibration_data(run, form.bias_correction)
         check_queue(session, owner, service.limits)
     check_run_options(service.limits, samples=form.samples)
     with service.store.scratch() as folder:
@@ -115,18 +116,12 @@ def create_evaluation(
         request = job_request(
             EvaluateRequest,
             model=model_file(model),
-            target=form.target,
             profile=PROFILE_FILE,
-            method=form.method,
-            percentile=form.percentile,
             input_shapes=model.input_shapes,
-            fp32_fallback=form.fp32_fallback,
-            accuracy_budget=form.accuracy_budget,
             data=uploaded.data,
             labels=uploaded.labels,
-            samples=form.samples,
-            weight_bits=form.weight_bits,
-            bias_correction=calibration,
+            calibration_data=calibration,
+            **form.model_dump(include=set(QuantizeOptions.model_fields)),
         )
         evaluation = Evaluation(
             run_id=run_id,

@@ -8,9 +8,11 @@ from fastapi import APIRouter, Form, HTTPException, Query, status
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sqlalchemy import select
 
-from rangeprof.profiler.calibrate.methods import CalibrationOptions, calibrate
+from rangeprof.profiler.calibrate.methods import CalibrationOptions
 from rangeprof.profiler.export.formats import QDQ, export
 from rangeprof.profiler.profiling.data import RANDOM
+from rangeprof.workflows.options import ProfileOptions
+from rangeprof.workflows.profiling import calibrate_profile, calibration_options
 from rangeprof.workflows.requests import ProfileRequest
 
 from . import catalog
@@ -111,16 +113,13 @@ def create_run(
             seed=form.seed,
             max_samples=limits.max_samples,
         )
+        options = form.model_dump(include=set(ProfileOptions.model_fields))
         request = job_request(
             ProfileRequest,
             model=model_file(model),
             data=spec,
             input_shapes=model.input_shapes,
-            bins=form.bins,
-            batch_size=form.batch_size,
-            samples=samples,
-            seed=form.seed,
-            channel_stats=form.channel_stats,
+            **(options | {"samples": samples}),
         )
         run = Run(model_id=model_id, request=request, data_sha256=sha256)
         run_id = catalog.add_run(service.db, service.store, run, staged)
@@ -166,8 +165,10 @@ def get_profile(service: ServiceDep, owner: Owner, run_id: ObjectId) -> JSONResp
     return JSONResponse(doc)
 
 
-def _calibration(options: CalibrationRequest) -> CalibrationOptions:
-    return CalibrationOptions(**options.model_dump(exclude={"format"}))
+def _calibration(options: ExportQuery) -> CalibrationOptions:
+    """The pipeline's options of the asked ones: the target's policy where not given."""
+    activations, _ = calibration_options(options, options.format)
+    return activations
 
 
 @router.get(
@@ -215,10 +216,10 @@ def create_qparams(
     service: ServiceDep, owner: Owner, run_id: ObjectId, body: CalibrationRequest | None = None
 ) -> QParamsOut:
     """Quantization parameters from the run's statistics, as ``rangeprof calibrate``."""
-    options = _calibration(body or CalibrationRequest())
     with service.db.session() as session:
         doc = load_profile(session, done_run(session, owner, run_id))
-    qparams = QParamsSet(run_id=run_id, options=options.to_json(), document=calibrate(doc, options))
+    document = calibrate_profile(doc, body or CalibrationRequest())
+    qparams = QParamsSet(run_id=run_id, options=document["options"], document=document)
     with service.db.session() as session:
         session.add(qparams)
     return QParamsOut.model_validate(qparams)

@@ -13,27 +13,26 @@ from typing import Annotated, Any, Literal
 from fastapi import Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
-from rangeprof.profiler.calibrate.methods import CHOICES, DTYPES, GRANULARITIES, SCHEMES
 from rangeprof.profiler.export.formats import FORMATS, QDQ
-from rangeprof.profiler.profiling.statistics import DEFAULT_BINS
+from rangeprof.workflows.options import (
+    CalibrationOptions,
+    Dtype,
+    Method,
+    ProfileOptions,
+    QuantizeOptions,
+    Scheme,
+    Target,
+)
 from rangeprof.workflows.requests import BuildRequest, EvaluateRequest, ProfileRequest
 
 from .limits import DEFAULT_LIMITS as _MAX
-from .models import BUILD_TARGETS, EVALUATION_TARGETS
 
 RunStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 _REQUEST = (
     "The job as its process runs it: the workflow's request (rangeprof.workflows), paths named "
     "as in the job's folder."
 )
-# Choices are enums in the OpenAPI document: the CLI's own tuples.
-Method = Literal[CHOICES]
-Scheme = Literal[SCHEMES]
-Dtype = Literal[tuple(DTYPES)]
-Granularity = Literal[GRANULARITIES]
 ExportFormat = Literal[(*FORMATS, QDQ)]  # qdq: the model is the run's
-BuildTarget = Literal[BUILD_TARGETS]
-EvaluationTarget = Literal[EVALUATION_TARGETS]
 
 # Ids are 32-bit integers in the database (PostgreSQL's integer): a larger one names nothing,
 # and would overflow the query, so it is refused (422) before any query is made.
@@ -126,12 +125,10 @@ class ModelOut(ModelSummary):
 # Runs
 
 
-class RunRequest(BaseModel):
+class RunRequest(ProfileOptions):
     """multipart/form-data: calibration data (an .npz upload, or ``random`` with a sample
     count) and the options of ``rangeprof profile``. Optional fields are left out, never null
     (multipart has no null)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     data: UploadFile = Field(
         None, description=".npz file, one array per input, [N, *sample_shape]; no pickles."
@@ -141,19 +138,6 @@ class RunRequest(BaseModel):
     )
     random: int = Field(
         None, ge=1, le=_MAX.max_samples, description="Instead of data: this many samples."
-    )
-    samples: int = Field(
-        None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
-    )
-    bins: int = Field(
-        DEFAULT_BINS, ge=0, le=_MAX.max_bins, description="Histogram bins (0: no histograms)."
-    )
-    batch_size: int = Field(
-        None, ge=1, le=_MAX.max_batch_size, description="Default: the model's batch."
-    )
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of random data.")
-    channel_stats: bool = Field(
-        False, description="Per-channel means of activations (for bias_correction 'stored')."
     )
 
 
@@ -197,17 +181,8 @@ class ProfileDocument(RootModel[dict[str, Any]]):
 # Calibration and exports
 
 
-class CalibrationRequest(BaseModel):
+class CalibrationRequest(CalibrationOptions):
     """The options of ``rangeprof calibrate`` and ``rangeprof export``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    method: Method = "max"
-    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
-    scheme: Scheme = "sym"
-    dtype: Dtype = "int8"
-    granularity: Granularity = "per-tensor"
-    power_of_two: bool = Field(False, description="Round scales up to powers of two.")
 
 
 class ExportQuery(CalibrationRequest):
@@ -349,31 +324,10 @@ class LineageOut(BaseModel):
 
 # Evaluations and builds
 
-# An int in bounds rather than Literal[7, 8]: form fields arrive as text, which a Literal refuses.
-_WEIGHT_BITS = (
-    "8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI multiply with "
-    "vpmaddubsw (faster, a little less accurate)."
-)
 
-
-_FP32_FALLBACK = "Regions whose tensors have no qparams stay FP32 (else that is an error)."
-_BIAS_CORRECTION = (
-    "Correct each layer's INT8 mean shift: true measures it on the run's calibration data (runs "
-    "of an uploaded .npz only); 'stored' derives it from the run's profile, no data run (runs "
-    "with channel_stats only)."
-)
-BiasCorrection = bool | Literal["stored"]
-_ACCURACY_BUDGET = (
-    "Top-1 points (without labels: points of agreement with FP32) INT8 may lose on the "
-    "evaluation data: the most sensitive layers are kept FP32 until the drop is within it."
-)
-
-
-class EvaluationRequest(BaseModel):
+class EvaluationRequest(QuantizeOptions):
     """multipart/form-data: evaluation data, optional labels and the options of ``rangeprof
-    evaluate``."""
-
-    model_config = ConfigDict(extra="forbid")
+    evaluate``; bias correction 'measured' runs the run's own calibration data."""
 
     data: UploadFile = Field(description=".npz file, one array per input, [N, *sample_shape].")
     key: str = Field(
@@ -385,18 +339,6 @@ class EvaluationRequest(BaseModel):
     labels_key: str = Field(
         None, description="The labels' array: in `labels`, or without it in `data`."
     )
-    method: Method | Literal["all"] = Field(
-        "mse", description="all: every method, the best reported and each one listed."
-    )
-    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
-    target: EvaluationTarget = "x86"
-    samples: int = Field(
-        None, ge=1, le=_MAX.max_samples, description="Use at most this many samples."
-    )
-    weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
-    fp32_fallback: bool = Field(False, description=_FP32_FALLBACK)
-    accuracy_budget: float = Field(None, ge=0, description=_ACCURACY_BUDGET)
-    bias_correction: BiasCorrection = Field(False, description=_BIAS_CORRECTION)
 
 
 class EvaluatedLayer(BaseModel):
@@ -416,8 +358,8 @@ class EvaluationReport(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     method: Method
-    target: EvaluationTarget
-    weight_bits: int = Field(8, ge=7, le=8, description="Absent in reports made before: 8.")
+    target: Target
+    weight_bits: int = Field(8, description="Absent in reports made before: 8.")
     samples: int = Field(ge=1)
     agreement: float
     output_sqnr_db: float | None
@@ -467,14 +409,13 @@ class EvaluationOut(EvaluationSummary):
 _QPARAMS_ID = "A stored qparams set of the run (`GET /api/runs/{id}/qparams`)."
 
 
-class BuildOptions(BaseModel):
+class BuildOptions(QuantizeOptions):
     """A JSON body: the options of ``rangeprof build``, qparams derived from the run's profile
     with the target's policy (``method``, ``percentile``), or a stored qparams set of the run.
     An accuracy budget needs evaluation data: see :class:`BuildUpload`."""
 
     # One source of qparams: a stored set excludes method and percentile (also in the schema).
     model_config = ConfigDict(
-        extra="forbid",
         json_schema_extra={
             "not": {
                 "anyOf": [
@@ -485,13 +426,7 @@ class BuildOptions(BaseModel):
         },
     )
 
-    target: BuildTarget = "x86"
-    method: Method = "mse"
-    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
     qparams_id: int | None = Field(None, ge=1, le=MAX_ID, description=_QPARAMS_ID)
-    weight_bits: int = Field(8, ge=7, le=8, description=_WEIGHT_BITS)
-    fp32_fallback: bool = Field(False, description=_FP32_FALLBACK)
-    bias_correction: BiasCorrection = Field(False, description=_BIAS_CORRECTION)
 
 
 class BuildUpload(BuildOptions):
@@ -500,7 +435,6 @@ class BuildUpload(BuildOptions):
     fields are left out, never null."""
 
     qparams_id: int = Field(None, ge=1, le=MAX_ID, description=_QPARAMS_ID)  # not null here
-    accuracy_budget: float = Field(None, ge=0, description=f"{_ACCURACY_BUDGET} Needs `data`.")
     data: UploadFile = Field(
         None,
         description="The accuracy budget's evaluation data: .npz, one array per input, "
@@ -512,9 +446,6 @@ class BuildUpload(BuildOptions):
     )
     labels_key: str = Field(
         None, description="The labels' array: in `labels`, or without it in `data`."
-    )
-    samples: int = Field(
-        None, ge=1, le=_MAX.max_samples, description="Use at most this many samples of `data`."
     )
 
 

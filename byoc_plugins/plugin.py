@@ -24,9 +24,7 @@ from tvm import relax
 
 from rangeprof.profiler.errors import RangeprofError
 
-from .policy import QuantPolicy
-
-TARGETS = ("x86", "aarch64", "npu")
+from .policy import TARGETS, QuantPolicy
 
 
 def _export_library(executable: tvm.runtime.Executable, path: Path) -> None:

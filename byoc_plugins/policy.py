@@ -90,14 +90,35 @@ class QuantPolicy:
         """The largest quantized weight magnitude."""
         return 2 ** (self.weight_bits - 1) - 1
 
-    def calibration(self, method: str = "max", percentile: float = 99.99) -> CalibrationOptions:
-        """Calibration options that give this target's activation qparams from a profile."""
+    def calibration(
+        self,
+        method: str = "max",
+        percentile: float = 99.99,
+        *,
+        scheme: str | None = None,
+        dtype: str | None = None,
+        granularity: str | None = None,
+        power_of_two: bool | None = None,
+    ) -> CalibrationOptions:
+        """Calibration options that give this target's activation qparams from a profile; an
+        option given overrides the policy's."""
         return CalibrationOptions(
             method=method,
             percentile=percentile,
-            scheme=self.activation_scheme,
-            dtype=self.activation_dtype,
-            granularity="per-tensor",
+            scheme=self.activation_scheme if scheme is None else scheme,
+            dtype=self.activation_dtype if dtype is None else dtype,
+            granularity=self.weight_granularity if granularity is None else granularity,
+            power_of_two=self.power_of_two if power_of_two is None else power_of_two,
+        )
+
+    def weight_calibration(self, granularity: str | None = None) -> CalibrationOptions:
+        """How this target quantizes weights (symmetric int8, ``max``), for the qparams a
+        document shows of them: the build quantizes the constants it multiplies itself."""
+        return CalibrationOptions(
+            method="max",
+            scheme="sym",
+            dtype="int8",
+            granularity=self.weight_granularity if granularity is None else granularity,
             power_of_two=self.power_of_two,
         )
 
@@ -119,6 +140,16 @@ class QuantPolicy:
                 else {}
             ),
         }
+
+
+# Each target's policy, importable without TVM: the service calibrates with them, and each
+# plugin (``rangeprof.byoc.<target>``) takes its own from here.
+POLICIES = {
+    "x86": QuantPolicy(requantize=FLOAT, wide_activations="int16"),
+    "aarch64": QuantPolicy(requantize=FLOAT),
+    "npu": QuantPolicy(integer_outputs=True, wide_activations="int16"),
+}
+TARGETS = tuple(POLICIES)
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,12 @@ class QuantizedModel:
             self.partitioned, self.regions, self.plugin.policy, modes, expose, self.plugin.external
         )
 
-    def replanned(self, qparams: dict, fp32_fallback: bool = False) -> QuantizedModel:
+    def replanned(
+        self, qparams: dict, fp32_fallback: bool = False, exclude: tuple[str, ...] = ()
+    ) -> QuantizedModel:
         """The same partitioned model with every region planned from ``qparams`` (another
-        calibration of the same model needs no new import or partition)."""
+        calibration of the same model needs no new import or partition); regions holding a
+        layer ``exclude`` matches stay FP32."""
         sha = self.imported.loaded.sha256
         if qparams["model"]["sha256"] != sha:
             raise RangeprofError(
@@ -55,7 +58,7 @@ class QuantizedModel:
         by_id = {entry["profile_id"]: entry for entry in qparams["qparams"]}
         float_outputs = not self.plugin.policy.integer_outputs
         regions = plan_regions(
-            self.partitioned, self.imported.layers, by_id, fp32_fallback, float_outputs
+            self.partitioned, self.imported.layers, by_id, fp32_fallback, float_outputs, exclude
         )
         return QuantizedModel(self.imported, self.plugin, self.partitioned, regions, qparams)
 
@@ -84,8 +87,15 @@ class QuantizedModel:
 
 
 def qparams_from_profile(profile: dict, plugin: Plugin, method: str, percentile: float) -> dict:
-    """The QPARAMS document a plugin's policy derives from a profile with ``method``."""
-    return calibrate(profile, plugin.policy.calibration(method, percentile))
+    """The QPARAMS document a plugin's policy derives from a profile with ``method``: its
+    activations' scheme and dtype, and its weights' (symmetric int8) qparams."""
+    policy = plugin.policy
+    return calibrate(
+        profile,
+        policy.calibration(method, percentile),
+        weights=policy.weight_calibration(),
+        target=plugin.name,
+    )
 
 
 def quantize_model(
@@ -94,6 +104,7 @@ def quantize_model(
     plugin: Plugin,
     input_shapes: dict | None = None,
     fp32_fallback: bool = False,
+    exclude: tuple[str, ...] = (),
 ) -> QuantizedModel:
     """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``.
 
@@ -103,4 +114,4 @@ def quantize_model(
     equalize = EQUALIZATION in qparams["model"].get("transforms", [])
     partitioned = partition(canonicalized(imported.mod, equalize), plugin.patterns())
     unplanned = QuantizedModel(imported, plugin, partitioned, [], qparams)
-    return unplanned.replanned(qparams, fp32_fallback)
+    return unplanned.replanned(qparams, fp32_fallback, exclude)

@@ -25,6 +25,7 @@ as a scaled accumulator — a QDQ model pairs only what integer operators read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import tvm
 from tvm import relax
@@ -118,11 +119,15 @@ def plan_regions(
     qparams: dict[str, dict],
     fp32_fallback: bool = False,
     float_outputs: bool = True,
+    exclude: tuple[str, ...] = (),
 ) -> list[Region]:
     """A :class:`Region` per composite call of a partitioned module, with its qparams
-    (``float_outputs``: the target leaves outputs FP32 operators read in FP32)."""
+    (``float_outputs``: the target leaves outputs FP32 operators read in FP32). A region
+    holding a layer that a pattern of ``exclude`` matches (a profileID or a shell pattern of
+    one) stays FP32; a pattern that matches no region's layer is an error (a typo)."""
     namer = _Namer(mod, layers)
     regions = []
+    unmatched = set(exclude)
     for binding, func in composite_calls(mod):
         name = binding.value.op.name_hint
         lineage = function_lineage(func) | ids_of(binding.value)
@@ -145,6 +150,12 @@ def plan_regions(
             "profile_ids": tuple(sorted(lineage)),
             "output_id": output_id,
         }
+        excluded = [p for p in exclude if any(fnmatchcase(i, p) for i in lineage)]
+        if excluded:
+            unmatched -= set(excluded)
+            reason = f"excluded by {', '.join(map(repr, excluded))}"
+            regions.append(Region(**common, input=None, output=None, fallback=reason))
+            continue
         missing = [
             f"{what} {found!r}" if found else f"{what} (no tensor in {sorted(ids)})"
             for what, (found, ids) in boundary.items()
@@ -161,4 +172,9 @@ def plan_regions(
         if "operand" in q:
             q["operand"] = q["operand"].symmetric()
         regions.append(Region(**common, **q))
+    if unmatched:
+        raise RangeprofError(
+            f"--exclude {', '.join(sorted(unmatched))}: matches no layer of a quantizable "
+            "region (a profileID, or a shell pattern of one, as `rangeprof inspect` lists them)"
+        )
     return regions

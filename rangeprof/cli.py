@@ -16,6 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rangeprof.profiler.errors import RangeprofError
+from rangeprof.workflows.options import CalibrationOptions, ProfileOptions, QuantizeOptions
+
+from .cli_options import with_options
 
 app = typer.Typer(
     help="Tensor-range profiling with IR tracking for INT8 quantization on Apache TVM.",
@@ -155,6 +158,7 @@ def inspect(
 
 
 @app.command()
+@with_options(ProfileOptions)
 def profile(
     model: Annotated[Path, typer.Argument(help="ONNX model file.")],
     data: Annotated[
@@ -166,13 +170,6 @@ def profile(
     ],
     out: Annotated[Path, typer.Option(help="Where to write the profile JSON.")],
     input_shape: InputShapes = None,
-    bins: Annotated[int, typer.Option(help="Histogram bins (0: no histograms).")] = 2048,
-    batch_size: Annotated[
-        int | None,
-        typer.Option(help="Samples per executor run (default: the model's batch, else 1)."),
-    ] = None,
-    samples: Annotated[int | None, typer.Option(help="Use at most this many samples.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for --data random.")] = 0,
     constant_input: Annotated[
         list[str] | None,
         typer.Option(
@@ -205,15 +202,8 @@ def profile(
         int | None,
         typer.Option(min=1, help="Shards of the data (with --ray; default 4 per worker)."),
     ] = None,
-    equalize: Equalize = False,
-    channel_stats: Annotated[
-        bool,
-        typer.Option(
-            "--channel-stats",
-            help="Also record per-channel min, max and mean of every activation (NCHW axis 1, "
-            "the last of 2-D tensors): what --bias-correction stored reads; profiling is slower.",
-        ),
-    ] = False,
+    *,
+    options: dict,
 ) -> None:
     """Run calibration data through the instrumented FP32 model and write the profile."""
     from rangeprof.workflows import profiling
@@ -225,17 +215,12 @@ def profile(
             model=model,
             data=data,
             input_shapes=_shapes(input_shape),
-            bins=bins,
-            batch_size=batch_size,
-            samples=samples,
-            seed=seed,
             constant_inputs=tuple(constant_input or ()),
             preprocess=preprocess,
             ray=ray,
             workers=workers,
             shards=shards,
-            equalize=equalize,
-            channel_stats=channel_stats,
+            **options,
         )
         with _progress() as advance:
             doc = profiling.profile(request, lambda done, total: advance("profiling", done, total))
@@ -250,45 +235,31 @@ def profile(
     )
 
 
-Method = Annotated[str, typer.Option(help="max | percentile | entropy | mse | best (per tensor)")]
-Percentile = Annotated[float, typer.Option(help="Percentile for --method percentile.")]
-Scheme = Annotated[str, typer.Option(help="sym | asym")]
-Dtype = Annotated[str, typer.Option(help="int8 | uint8 | int16")]
-Granularity = Annotated[str, typer.Option(help="per-tensor | per-channel (weights)")]
-PowerOfTwo = Annotated[bool, typer.Option(help="Round scales up to powers of two.")]
-
-
 @app.command()
+@with_options(CalibrationOptions)
 def calibrate(
     profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
     out: Annotated[Path, typer.Option(help="Where to write the QPARAMS JSON.")],
-    method: Method = "max",
-    percentile: Percentile = 99.99,
-    scheme: Scheme = "sym",
-    dtype: Dtype = "int8",
-    granularity: Granularity = "per-tensor",
-    power_of_two: PowerOfTwo = False,
+    *,
+    options: dict,
 ) -> None:
-    """Derive quantization parameters per profileID from a stored profile."""
+    """Derive quantization parameters per profileID from a stored profile, with the target's
+    policy where an option is not given (the qparams a build for that target derives)."""
     from rangeprof.workflows import profiling
 
     try:
         _check_out(out)
-        request = _request(
-            "CalibrateRequest",
-            profile=profile_path,
-            method=method,
-            percentile=percentile,
-            scheme=scheme,
-            dtype=dtype,
-            granularity=granularity,
-            power_of_two=power_of_two,
-        )
+        request = _request("CalibrateRequest", profile=profile_path, **options)
         doc = profiling.calibrate(request)
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, json.dumps(doc, indent=1))
-    _err.print(f"{len(doc['qparams'])} tensors calibrated ({method}) -> {out}", highlight=False)
+    chosen = doc["options"]
+    _err.print(
+        f"{len(doc['qparams'])} tensors calibrated ({chosen['method']}, {request.target}: "
+        f"{chosen['scheme']} {chosen['dtype']}) -> {out}",
+        highlight=False,
+    )
 
 
 @app.command("import-qparams")
@@ -315,6 +286,7 @@ def import_qparams(
 
 
 @app.command()
+@with_options(CalibrationOptions)
 def export(
     profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile JSON.")],
     fmt: Annotated[
@@ -327,12 +299,6 @@ def export(
             help="Where to write the export (model-explorer: a folder, a JSON file per figure)."
         ),
     ],
-    method: Method = "max",
-    percentile: Percentile = 99.99,
-    scheme: Scheme = "sym",
-    dtype: Dtype = "int8",
-    granularity: Granularity = "per-tensor",
-    power_of_two: PowerOfTwo = False,
     model: Annotated[
         Path | None,
         typer.Option(help="The profiled ONNX model (qdq, model-explorer)."),
@@ -344,10 +310,12 @@ def export(
             "figures of model-explorer."
         ),
     ] = None,
+    *,
+    options: dict,
 ) -> None:
     """Write the profile's ranges in another tool's format: a calibration table, a QDQ ONNX
-    model (qdq: activations as scheme and dtype say, weights symmetric int8), or Model Explorer
-    node-data overlays (model-explorer)."""
+    model (qdq: activations as the target's policy or scheme and dtype say, weights symmetric
+    int8), or Model Explorer node-data overlays (model-explorer)."""
     from rangeprof.workflows import profiling
 
     try:
@@ -356,14 +324,9 @@ def export(
             "ExportRequest",
             profile=profile_path,
             format=fmt,
-            method=method,
-            percentile=percentile,
-            scheme=scheme,
-            dtype=dtype,
-            granularity=granularity,
-            power_of_two=power_of_two,
             model=model,
             evaluation=evaluation,
+            **options,
         )
         profiling.write_export(out, profiling.export(request))
     except RangeprofError as err:
@@ -399,7 +362,6 @@ def report(
 
 # INT8 builds and their evaluation (`rangeprof.byoc`).
 
-Target = Annotated[str, typer.Option(help="x86 | aarch64 | npu")]
 QparamsFile = Annotated[
     Path | None, typer.Option("--qparams", help="QPARAMS JSON (from `rangeprof calibrate`).")
 ]
@@ -407,55 +369,28 @@ ProfileFile = Annotated[
     Path | None,
     typer.Option("--profile", help="Profile JSON: qparams derived with the target's policy."),
 ]
-Budget = Annotated[
-    float | None,
-    typer.Option(
-        help="Top-1 points INT8 may lose (agreement without labels): the most sensitive layers "
-        "stay FP32 until it holds; needs --data."
-    ),
-]
-Fallback = Annotated[
-    bool, typer.Option(help="Regions without qparams stay FP32 instead of failing.")
-]
-EvalData = Annotated[str | None, typer.Option(help="Evaluation data, FILE.npz:KEY.")]
 Labels = Annotated[str | None, typer.Option(help="Labels for top-1, FILE.npz:KEY.")]
-Samples = Annotated[int | None, typer.Option(help="Use at most this many samples.")]
-BiasCorrection = Annotated[
+CalibrationData = Annotated[
     str | None,
-    typer.Option(
-        metavar="stored|FILE.npz:KEY",
-        help="Fold each layer's INT8 mean shift into its bias: 'stored' derives it from the "
-        "weights' rounding and the per-channel input means of the --profile (made with "
-        "--channel-stats; no data is run), FILE.npz:KEY measures it on that calibration data "
-        "(runs it through FP32 and INT8 once).",
-    ),
-]
-WeightBits = Annotated[
-    int,
-    typer.Option(
-        help="8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI multiply "
-        "with vpmaddubsw (faster, a little less accurate)."
-    ),
+    typer.Option(help="Calibration data of --bias-correction measured, FILE.npz:KEY."),
 ]
 
 
 @app.command()
+@with_options(QuantizeOptions)
 def build(
     model: Annotated[Path, typer.Argument(help="ONNX model file.")],
     out: Annotated[Path, typer.Option(help="Folder for model.so and manifest.json.")],
-    target: Target = "x86",
     qparams: QparamsFile = None,
     profile: ProfileFile = None,
-    method: Method = "max",
-    percentile: Percentile = 99.99,
     input_shape: InputShapes = None,
-    fp32_fallback: Fallback = False,
-    accuracy_budget: Budget = None,
-    data: EvalData = None,
+    data: Annotated[
+        str | None, typer.Option(help="Evaluation data of --accuracy-budget, FILE.npz:KEY.")
+    ] = None,
     labels: Labels = None,
-    samples: Samples = None,
-    weight_bits: WeightBits = 8,
-    bias_correction: BiasCorrection = None,
+    calibration_data: CalibrationData = None,
+    *,
+    options: dict,
 ) -> None:
     """Compile the model with INT8 regions for a target into a deployable artifact."""
     from rangeprof.workflows import quantize
@@ -465,19 +400,13 @@ def build(
             "BuildRequest",
             model=model,
             out=out,
-            target=target,
             qparams=qparams,
             profile=profile,
-            method=method,
-            percentile=percentile,
             input_shapes=_shapes(input_shape),
-            fp32_fallback=fp32_fallback,
-            accuracy_budget=accuracy_budget,
             data=data,
             labels=labels,
-            samples=samples,
-            weight_bits=weight_bits,
-            bias_correction=bias_correction,
+            calibration_data=calibration_data,
+            **options,
         )
         with _progress() as advance:
             manifest = quantize.build(request, advance)
@@ -485,7 +414,7 @@ def build(
         raise _fail(err) from None
     int8 = sum(r["mode"] == "int8" for r in manifest["regions"])
     _err.print(
-        f"{target}: {int8} of {len(manifest['regions'])} regions INT8"
+        f"{request.target}: {int8} of {len(manifest['regions'])} regions INT8"
         + (f", int16: {', '.join(manifest['kept_int16'])}" if manifest["kept_int16"] else "")
         + (f", kept FP32: {', '.join(manifest['kept_fp32'])}" if manifest["kept_fp32"] else "")
         + f" -> {out / manifest['library']}",
@@ -498,13 +427,12 @@ def _request(kind: str, **fields):
     from pydantic import ValidationError
 
     from rangeprof.workflows import requests
+    from rangeprof.workflows.options import refusal
 
     try:
         return getattr(requests, kind)(**fields)
     except ValidationError as err:
-        first = err.errors()[0]
-        option = "--" + "-".join(str(part) for part in first["loc"]).replace("_", "-")
-        raise RangeprofError(f"{option}: {first['msg']}") from None
+        raise refusal(err) from None
 
 
 _PLAIN_EVERY_S = 5.0  # at most one progress line this often in a pipe or a log
@@ -562,24 +490,18 @@ def _evaluation_table(doc: dict) -> Table:
 
 
 @app.command()
+@with_options(QuantizeOptions)
 def evaluate(
     model: Annotated[Path, typer.Argument(help="ONNX model file.")],
     data: Annotated[str, typer.Option(help="Evaluation data, FILE.npz:KEY.")],
     labels: Labels = None,
-    target: Annotated[str, typer.Option(help="x86 | npu")] = "x86",
     qparams: QparamsFile = None,
     profile: ProfileFile = None,
-    method: Annotated[
-        str, typer.Option(help="max | percentile | entropy | mse | best | all (with --profile)")
-    ] = "max",
-    percentile: Percentile = 99.99,
     input_shape: InputShapes = None,
-    fp32_fallback: Fallback = False,
-    accuracy_budget: Budget = None,
-    samples: Samples = None,
-    weight_bits: WeightBits = 8,
-    bias_correction: BiasCorrection = None,
+    calibration_data: CalibrationData = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    *,
+    options: dict,
 ) -> None:
     """FP32 vs INT8: top-1, agreement, output SQNR and per-layer error by profileID."""
     from rangeprof.workflows import quantize
@@ -590,17 +512,11 @@ def evaluate(
             model=model,
             data=data,
             labels=labels,
-            target=target,
             qparams=qparams,
             profile=profile,
-            method=method,
-            percentile=percentile,
             input_shapes=_shapes(input_shape),
-            fp32_fallback=fp32_fallback,
-            accuracy_budget=accuracy_budget,
-            samples=samples,
-            weight_bits=weight_bits,
-            bias_correction=bias_correction,
+            calibration_data=calibration_data,
+            **options,
         )
         with _progress() as advance:
             report = quantize.evaluate(request, advance)
@@ -616,7 +532,7 @@ def evaluate(
         else ""
     )
     _out.print(
-        f"{target}, {report['samples']} samples, method {best_method}: {top1}"
+        f"{request.target}, {report['samples']} samples, method {best_method}: {top1}"
         f"agreement {report['agreement']:.2f}%, output SQNR {report['output_sqnr_db']} dB",
         highlight=False,
     )

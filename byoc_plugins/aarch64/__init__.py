@@ -19,7 +19,7 @@ from rangeprof.profiler.build.schedules import build
 
 from ..patterns import pattern_table
 from ..plugin import Plugin
-from ..policy import FLOAT, QuantPolicy
+from ..policy import POLICIES
 from .qemu import QemuRunError, run_under_qemu
 from .runtime import ensure_runtime, runtime_dir
 from .target import AARCH64_TARGET, export
@@ -46,7 +46,7 @@ def _compile(mod):
 PLUGIN = Plugin(
     name="aarch64",
     description="INT8 conv2d / dense for ARMv8.2-A + dot product, cross-compiled (run: qemu-user)",
-    policy=QuantPolicy(activation_scheme="asym", activation_dtype="uint8", requantize=FLOAT),
+    policy=POLICIES["aarch64"],
     patterns=lambda: pattern_table("rangeprof_aarch64"),
     target=lambda: AARCH64_TARGET,
     compile=_compile,

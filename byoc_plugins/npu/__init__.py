@@ -31,7 +31,7 @@ from rangeprof.profiler.build.schedules import build, host_target
 
 from ..patterns import pattern_table
 from ..plugin import Plugin
-from ..policy import QuantPolicy
+from ..policy import POLICIES
 from .codegen import NAME, c_program, sram_bytes, tile_plans
 
 __all__ = ["PLUGIN", "c_program", "compile_npu", "tile_plans"]
@@ -60,12 +60,7 @@ PLUGIN = Plugin(
     name="npu",
     description="NPU-style accelerator: INT8 (INT16 where sensitive) conv2d / matmul as tiled C, "
     "fixed-point requantize",
-    policy=QuantPolicy(
-        activation_scheme="asym",
-        activation_dtype="uint8",
-        integer_outputs=True,
-        wide_activations="int16",
-    ),
+    policy=POLICIES["npu"],
     patterns=lambda: pattern_table(NAME),
     target=host_target,
     compile=compile_npu,

@@ -17,7 +17,7 @@ from rangeprof.profiler.build.schedules import build, host_target
 
 from ..patterns import BATCH_MATMUL, WEIGHTED, pattern_table
 from ..plugin import Plugin
-from ..policy import FLOAT, QuantPolicy
+from ..policy import POLICIES
 
 
 def _compile(mod):
@@ -27,12 +27,7 @@ def _compile(mod):
 PLUGIN = Plugin(
     name="x86",
     description="INT8 conv2d / dense for the host CPU, LLVM (AVX-512 VNNI or AVX2)",
-    policy=QuantPolicy(
-        activation_scheme="asym",
-        activation_dtype="uint8",
-        requantize=FLOAT,
-        wide_activations="int16",
-    ),
+    policy=POLICIES["x86"],
     patterns=lambda: pattern_table("rangeprof_x86", (*WEIGHTED, BATCH_MATMUL)),
     target=host_target,
     compile=_compile,

@@ -81,7 +81,7 @@ import numpy as np
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.statistics import Histogram, TensorStats, canonical_exponent
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 # The clip-range methods; a user may also ask for "best", the one of them that fits each tensor.
 METHODS = ("max", "percentile", "entropy", "mse")
 CHOICES = (*METHODS, "best")
@@ -219,13 +219,33 @@ def read_qparams(path: Path) -> dict:
     return doc
 
 
-def calibrate(profile: dict, options: CalibrationOptions) -> dict:
-    """The QPARAMS document of a profile document: one record per tensor entry."""
+def calibrate(
+    profile: dict,
+    options: CalibrationOptions,
+    *,
+    weights: CalibrationOptions | None = None,
+    target: str | None = None,
+) -> dict:
+    """The QPARAMS document of a profile document: one record per tensor entry. ``weights``,
+    when given, are the options of weights and other static tensors (a target's own); the
+    document records the ``target`` whose policy chose the options."""
+
+    def options_of(entry: dict) -> CalibrationOptions:
+        static = entry["kind"] == "weight" or entry.get("static", False)
+        return weights if static and weights is not None else options
+
+    recorded = options.to_json()
+    if target is not None:
+        recorded["target"] = target
+    if weights is not None:
+        recorded["weights"] = {k: v for k, v in weights.to_json().items() if k != "percentile"}
     return {
         "schema_version": SCHEMA_VERSION,
         "model": dict(profile["model"]),
-        "options": options.to_json(),
-        "qparams": [qparams_for(entry, options).to_json() for entry in profile["tensors"]],
+        "options": recorded,
+        "qparams": [
+            qparams_for(entry, options_of(entry)).to_json() for entry in profile["tensors"]
+        ],
     }
 
 

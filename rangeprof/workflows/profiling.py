@@ -15,7 +15,9 @@ from rangeprof.profiler.errors import RangeprofError
 from .requests import CalibrateRequest, ExportRequest, InspectRequest, ProfileRequest
 
 if TYPE_CHECKING:
-    from rangeprof.profiler.calibrate.methods import CalibrationOptions
+    from rangeprof.profiler.calibrate.methods import CalibrationOptions as Options
+
+    from .options import CalibrationOptions
 
 Progress = Callable[[int, int | None], None]  # (samples done, samples in all if known)
 # An export: a text file, a binary file (qdq), or files by name (model-explorer).
@@ -69,20 +71,40 @@ def profile(request: ProfileRequest, progress: Progress | None = None, arrays=No
     )
 
 
-def _options(request: CalibrateRequest):
-    from rangeprof.profiler.calibrate.methods import CalibrationOptions
+_POLICY_FIELDS = ("scheme", "dtype", "granularity", "power_of_two")  # the target's unless given
+# Formats that hold one grid only, which then replaces the target's where not given.
+_FORMAT_GRIDS = {"tensorrt": {"scheme": "sym", "dtype": "int8"}}
 
-    fields = {"profile", "format", "model", "evaluation"}  # what is not a calibration option
-    return CalibrationOptions(**request.model_dump(exclude=fields))
+
+def calibration_options(
+    options: CalibrationOptions, fmt: str | None = None
+) -> tuple[Options, Options]:
+    """The pipeline's calibration options of activations and of weights that ``options`` ask
+    for: the target's policy (or export format ``fmt``'s only grid), where an option is not
+    given."""
+    from rangeprof.byoc.policy import POLICIES
+
+    policy = POLICIES[options.target]
+    given = {k: getattr(options, k) for k in _POLICY_FIELDS if getattr(options, k) is not None}
+    given = _FORMAT_GRIDS.get(fmt, {}) | given
+    activations = policy.calibration(options.method, options.percentile, **given)
+    return activations, policy.weight_calibration(given.get("granularity"))
+
+
+def calibrate_profile(profile: dict, options: CalibrationOptions) -> dict:
+    """The QPARAMS document of ``profile`` with ``options``, which records their target:
+    the document a build on that target derives itself from the same profile and method."""
+    from rangeprof.profiler.calibrate.methods import calibrate as derive
+
+    activations, weights = calibration_options(options)
+    return derive(profile, activations, weights=weights, target=options.target)
 
 
 def calibrate(request: CalibrateRequest) -> dict:
     """The QPARAMS document of the request's profile."""
-    from rangeprof.profiler.calibrate.methods import calibrate as derive
     from rangeprof.profiler.profiling.document import load_profile
 
-    options = _options(request)
-    return derive(load_profile(request.profile), options)
+    return calibrate_profile(load_profile(request.profile), request)
 
 
 def export(request: ExportRequest) -> Exported:
@@ -91,7 +113,8 @@ def export(request: ExportRequest) -> Exported:
 
     evaluation = None if request.evaluation is None else evaluation_report(request.evaluation)
     profile = load_profile(request.profile)
-    return render_export(profile, request.format, _options(request), request.model, evaluation)
+    activations, _ = calibration_options(request, request.format)
+    return render_export(profile, request.format, activations, request.model, evaluation)
 
 
 def _transformed(onnx_model, path: Path, profile: dict):
@@ -123,7 +146,7 @@ def _transformed(onnx_model, path: Path, profile: dict):
 def render_export(
     profile: dict,
     fmt: str,
-    options: CalibrationOptions,
+    options: Options,
     model: Path | None = None,
     evaluation: dict | None = None,
 ) -> Exported:

@@ -12,7 +12,8 @@ from dataclasses import replace
 
 from rangeprof.profiler.errors import RangeprofError
 
-from .requests import STORED, BuildRequest, EvaluateRequest, QuantizeRequest
+from .options import EVERY_METHOD, STORED, CalibrationOptions
+from .requests import BuildRequest, EvaluateRequest, QuantizeRequest
 
 Progress = Callable[[str, int, int], None]
 
@@ -53,36 +54,68 @@ def _profile(request: QuantizeRequest) -> dict | None:
     return profile
 
 
-def _ranges(request: QuantizeRequest, profile: dict | None) -> Callable[[object, str], dict]:
-    """``qparams(plugin, method)``: the request's QPARAMS document, read and checked, or derived
-    from its ``profile``; either file is read once, however many methods ask."""
-    from rangeprof.byoc.quantized import qparams_from_profile
+def _ranges(request: QuantizeRequest, profile: dict | None) -> Callable[[str], dict]:
+    """``qparams(method)``: the request's QPARAMS document, read and checked for its target,
+    or derived from its ``profile`` with the target's policy — the document ``rangeprof
+    calibrate --target`` writes; either file is read once, however many methods ask."""
     from rangeprof.profiler.calibrate.methods import read_qparams
 
+    from .profiling import calibrate_profile
+
     if profile is not None:
-        return lambda plugin, method: qparams_from_profile(
-            profile, plugin, method, request.percentile
+        return lambda method: calibrate_profile(
+            profile,
+            CalibrationOptions(target=request.target, method=method, percentile=request.percentile),
         )
     document = read_qparams(request.qparams)
-    return lambda plugin, method: document
+    _check_target(document, request.target)
+    return lambda method: document
+
+
+def _check_target(document: dict, target: str) -> None:
+    """A QPARAMS document the target's kernels cannot run exactly is refused before any work:
+    their activations are 8-bit and per tensor; weights are the target's own, whatever the
+    document says of them."""
+    options = document["options"]
+    if options["dtype"] not in ("int8", "uint8"):
+        raise RangeprofError(
+            f"the qparams' activations are {options['dtype']}: {target} runs 8-bit activations "
+            f"(calibrate with --target {target})"
+        )
+    made_for = options.get("target")
+    if made_for is not None and made_for != target:
+        raise RangeprofError(
+            f"the qparams were calibrated for target {made_for}, not {target} "
+            f"(calibrate with --target {target})"
+        )
 
 
 def _quantized(request: QuantizeRequest, qparams: dict, plugin):
     from rangeprof.byoc.quantized import quantize_model
 
     return quantize_model(
-        request.model, qparams, plugin, request.input_shapes, request.fp32_fallback
+        request.model,
+        qparams,
+        plugin,
+        request.input_shapes,
+        request.fp32_fallback,
+        request.exclude,
     )
 
 
-def _host(plugin, request: QuantizeRequest, qm, qparams):
-    """``qm``, or the same model for a plugin that runs here when ``plugin`` is cross-compiled:
-    targets with the same policy compute the same integers, so measure where code runs."""
+def _runnable_here(plugin):
+    """``plugin``, or for a cross-compiled target x86 with its policy: targets with the same
+    policy compute the same integers, so measure where code runs."""
     from rangeprof.byoc.plugin import get_plugin
 
+    return plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
+
+
+def _host(plugin, request: QuantizeRequest, qm, qparams):
+    """``qm``, or the same model for a plugin that runs here when ``plugin`` is cross-compiled."""
     if plugin.runs_here:
         return qm
-    return _quantized(request, qparams, replace(get_plugin("x86"), policy=plugin.policy))
+    return _quantized(request, qparams, _runnable_here(plugin))
 
 
 def _bias_corrections(
@@ -101,8 +134,9 @@ def _bias_corrections(
         corrections, skipped = derive(measured, profile)
         record = {"mode": STORED, "regions": len(corrections)}
         return corrections, record | ({"skipped": skipped} if skipped else {})
-    corrections = measure(measured, request.bias_correction, progress=progress, compiled=compiled)
-    record = {"mode": "empirical", "data": request.bias_correction, "regions": len(corrections)}
+    data = request.calibration_data
+    corrections = measure(measured, data, progress=progress, compiled=compiled)
+    record = {"mode": "empirical", "data": data, "regions": len(corrections)}
     return corrections, record
 
 
@@ -118,7 +152,7 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     plugin = get_plugin(request.target, request.weight_bits)
     report("quantizing", 0, 3)
     profile = _profile(request)
-    qparams = _ranges(request, profile)(plugin, request.method)
+    qparams = _ranges(request, profile)(request.method)
     qm = _quantized(request, qparams, plugin)
     measured = _host(plugin, request, qm, qparams)
     compiled: dict = {}  # the FP32 program serves bias correction and the budget
@@ -151,8 +185,8 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
     from rangeprof.byoc.plugin import get_plugin
     from rangeprof.profiler.calibrate.methods import CHOICES
 
-    plugin = get_plugin(request.target, request.weight_bits)
-    methods = list(CHOICES) if request.method == "all" else [request.method]
+    plugin = _runnable_here(get_plugin(request.target, request.weight_bits))
+    methods = list(CHOICES) if request.method == EVERY_METHOD else [request.method]
     labels = read_labels(request.labels)
     results, qm = [], None
     compiled: dict = {}  # the FP32 program serves every method
@@ -160,11 +194,11 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
     ranges = _ranges(request, profile)
     corrections: dict[str, dict] = {}  # each method's bias correction record
     for method in methods:
-        qparams = ranges(plugin, method)
+        qparams = ranges(method)
         if qm is None:
             qm = _quantized(request, qparams, plugin)
         else:
-            qm = qm.replanned(qparams, request.fp32_fallback)
+            qm = qm.replanned(qparams, request.fp32_fallback, request.exclude)
         if request.bias_correction is not None:
             qm = corrected(qm, *_bias_corrections(request, qm, profile, progress, compiled))
             corrections[qparams["options"]["method"]] = qm.bias_correction

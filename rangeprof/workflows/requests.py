@@ -5,52 +5,45 @@ to JSON and back unchanged (``model_dump(mode="json")`` / ``model_validate``).""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from rangeprof.profiler.errors import RangeprofError
 
-Target = Literal["x86", "aarch64", "npu"]
-Method = Literal["max", "percentile", "entropy", "mse", "best"]
+from .options import (
+    EVERY_METHOD,
+    MEASURED,
+    STORED,
+    CalibrationOptions,
+    Options,
+    ProfileOptions,
+    QuantizeOptions,
+    Target,
+)
+
 Shapes = dict[str, tuple[int, ...]]
-STORED = "stored"  # bias correction from the profile's per-channel means, not from data
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class InspectRequest(_Request):
+class InspectRequest(Options):
     """``rangeprof inspect``: the model's layers and their lineage through every stage."""
 
     model: Path
-    input_shapes: Shapes = {}
+    input_shapes: Shapes = Field(default_factory=dict)
     target: Target = Field("x86", description="Whose partition the last stage shows.")
-    equalize: bool = Field(False, description="Cross-layer equalization first.")
+    equalize: bool = ProfileOptions.model_fields["equalize"]
 
 
-class ProfileRequest(_Request):
+class ProfileRequest(ProfileOptions):
     """``rangeprof profile``: calibration data through the instrumented FP32 model."""
 
     model: Path
     data: str = Field(description="FILE.npz[:KEY,...], FILE.npy, an image folder, or random.")
-    input_shapes: Shapes = {}
-    bins: int = Field(2048, ge=0, description="Histogram bins (0: no histograms).")
-    batch_size: int | None = Field(None, ge=1)
-    samples: int | None = Field(None, ge=1)
-    seed: int = Field(0, ge=0)
+    input_shapes: Shapes = Field(default_factory=dict)
     constant_inputs: tuple[str, ...] = ()
     preprocess: str | None = Field(None, description="Image preprocessing, for a folder.")
     ray: str | None = Field(None, description="A Ray cluster's address, or local.")
     workers: int | None = Field(None, ge=1)
     shards: int | None = Field(None, ge=1)
-    equalize: bool = Field(False, description="Profile the cross-layer equalized model.")
-    channel_stats: bool = Field(
-        False,
-        description="Per-channel min, max and mean of every activation (what bias correction "
-        "from the profile reads).",
-    )
 
     @model_validator(mode="after")
     def _ray_options(self):
@@ -59,17 +52,11 @@ class ProfileRequest(_Request):
         return self
 
 
-class CalibrateRequest(_Request):
-    """``rangeprof calibrate``: qparams from a stored profile (the choices are checked by
-    :class:`~rangeprof.profiler.calibrate.methods.CalibrationOptions`, which names them)."""
+class CalibrateRequest(CalibrationOptions):
+    """``rangeprof calibrate``: qparams from a stored profile, with the target's policy where
+    an option is not given."""
 
     profile: Path
-    method: str = "max"
-    percentile: float = 99.99
-    scheme: str = "sym"
-    dtype: str = "int8"
-    granularity: str = "per-tensor"
-    power_of_two: bool = False
 
 
 class ExportRequest(CalibrateRequest):
@@ -90,30 +77,18 @@ class ExportRequest(CalibrateRequest):
         return self
 
 
-class QuantizeRequest(_Request):
+class QuantizeRequest(QuantizeOptions):
     """What an INT8 build and an evaluation share: the model, where its qparams come from (a
-    QPARAMS document, or a profile calibrated with the target's policy), and how to quantize."""
+    QPARAMS document, or a profile calibrated with the target's policy), and the data files."""
 
     model: Path
-    target: Target = "x86"
     qparams: Path | None = Field(None, description="A QPARAMS document (`rangeprof calibrate`).")
     profile: Path | None = Field(None, description="A profile: qparams by `method`.")
-    method: Method = "max"
-    percentile: float = Field(99.99, gt=0, le=100)
-    input_shapes: Shapes = {}
-    fp32_fallback: bool = Field(False, description="Regions without qparams stay FP32.")
-    accuracy_budget: float | None = Field(
-        None, ge=0, description="Top-1 points INT8 may lose; the most sensitive layers stay FP32."
-    )
+    input_shapes: Shapes = Field(default_factory=dict)
     data: str | None = Field(None, description="Evaluation data, FILE.npz:KEY.")
     labels: str | None = Field(None, description="Labels for top-1, FILE.npz:KEY.")
-    samples: int | None = Field(None, ge=1)
-    weight_bits: Literal[7, 8] = 8
-    bias_correction: str | None = Field(
-        None,
-        description="Fold each layer's INT8 mean shift into its bias: 'stored' derives it from "
-        "the profile's per-channel means (no data run), calibration data (FILE.npz:KEY) "
-        "measures it.",
+    calibration_data: str | None = Field(
+        None, description="Calibration data of bias correction 'measured', FILE.npz:KEY."
     )
 
     @model_validator(mode="after")
@@ -127,6 +102,10 @@ class QuantizeRequest(_Request):
                 "--bias-correction stored reads the per-channel means of a --profile "
                 "(a QPARAMS document has none)"
             )
+        if (self.bias_correction == MEASURED) != (self.calibration_data is not None):
+            raise RangeprofError(
+                "--bias-correction measured runs --calibration-data, which goes with it alone"
+            )
         return self
 
 
@@ -135,17 +114,22 @@ class BuildRequest(QuantizeRequest):
 
     out: Path
 
+    @model_validator(mode="after")
+    def _one_method(self):
+        if self.method == EVERY_METHOD:
+            raise RangeprofError("--method all is for evaluate: a build takes one method")
+        return self
+
 
 class EvaluateRequest(QuantizeRequest):
     """``rangeprof evaluate``: FP32 against INT8 on ``data``; ``method="all"`` tries every
-    calibration method on the profile and reports the best."""
+    calibration method on the profile and reports the best. A cross-compiled target (aarch64)
+    is measured on x86 with its policy: the same integers."""
 
-    method: Method | Literal["all"] = "max"
-    target: Literal["x86", "npu"] = "x86"
     data: str
 
     @model_validator(mode="after")
-    def _all_needs_profile(self):
-        if self.method == "all" and self.profile is None:
+    def _evaluable(self):
+        if self.method == EVERY_METHOD and self.profile is None:
             raise RangeprofError("--method all needs --profile")
         return self

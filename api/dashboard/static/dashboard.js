@@ -225,3 +225,42 @@ export function numCell(value, attrs = {}) {
   const exact = value === null || value === undefined ? "" : String(value);
   return el("td", { class: "num", "data-value": exact, ...attrs }, fmt(value));
 }
+
+// The REST API's OpenAPI document, read once: forms take their choices and defaults from the
+// option declarations it is generated from, so they cannot drift from the CLI and Python API.
+let openapi;
+
+function choicesOf(property) {
+  const variants = property.anyOf ?? [property];
+  return variants.flatMap((v) => v.enum ?? (v.const !== undefined ? [v.const] : []));
+}
+
+// Fill the fields of `form` named like properties of the schema `name`: a select gets the
+// choices (an optional one keeps its empty first option), every field the default, a number
+// its bounds, and each field the description as its tooltip.
+export async function applySchema(form, name) {
+  openapi ??= await (await fetch("/openapi.json")).json();
+  const properties = openapi.components.schemas[name].properties;
+  for (const [field, property] of Object.entries(properties)) {
+    const input = form.elements[field];
+    if (!input || input instanceof RadioNodeList) continue;
+    const label = input.closest("label");
+    if (label && property.description) label.title = property.description;
+    const value = property.default;
+    // Defaults as the fields' default state, so that a form's reset() returns to them.
+    if (input.tagName === "SELECT") {
+      const empty = [...input.options].filter((o) => o.value === "");
+      const options = choicesOf(property).map((c) => el("option", { value: String(c) }, String(c)));
+      input.replaceChildren(...empty, ...options);
+      const chosen = value === undefined || value === null ? "" : String(value);
+      for (const option of input.options) option.defaultSelected = option.value === chosen;
+      input.value = chosen;
+    } else if (input.type === "checkbox") {
+      input.defaultChecked = input.checked = value === true;
+    } else if (input.type === "number") {
+      if (property.minimum !== undefined) input.min = property.minimum;
+      if (property.maximum !== undefined) input.max = property.maximum;
+      if (typeof value === "number") input.defaultValue = input.value = value;
+    }
+  }
+}

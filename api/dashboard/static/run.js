@@ -5,6 +5,7 @@
 import {
   ACTIVE,
   api,
+  applySchema,
   BASE,
   download,
   el,
@@ -84,11 +85,15 @@ let buildsTimer;
 
 // The form's filled-in fields: multipart has no null, so empty ones are left out (FormData
 // already leaves out disabled fields and unticked boxes).
+// A list field (exclude) goes as one form field per comma-separated item.
 function filledForm(form) {
   const data = new FormData(form);
   for (const [key, value] of [...data.entries()]) {
     if (value === "" || (value instanceof File && !value.name)) data.delete(key);
   }
+  const items = (data.get("exclude") ?? "").split(",").map((s) => s.trim()).filter(Boolean);
+  data.delete("exclude");
+  for (const item of items) data.append("exclude", item);
   return data;
 }
 
@@ -284,6 +289,8 @@ document.getElementById("report").addEventListener("submit", async (event) => {
 
 async function main() {
   header(["Models", `${BASE}/`], `run ${runId}`);
+  await applySchema(document.getElementById("build"), "BuildUpload");
+  await applySchema(document.getElementById("evaluate"), "EvaluationRequest");
   const run = await loadRun();
   header(["Models", `${BASE}/`], [model.name, `${BASE}/models/${model.id}?run=${runId}`], `run ${runId}`);
   document.getElementById("title").textContent = `${model.name}: run ${runId}`;
