@@ -206,6 +206,7 @@ def profile(
     options: dict,
 ) -> None:
     """Run calibration data through the instrumented FP32 model and write the profile."""
+    from rangeprof.profiler.profiling.document import nonfinite_summary
     from rangeprof.workflows import profiling
 
     try:
@@ -233,6 +234,8 @@ def profile(
         f"in {run['timings']['total_s']:.1f}s -> {out}",
         highlight=False,
     )
+    for line in nonfinite_summary(doc):  # overflow warnings, counts of non-finite data
+        _err.print(line, markup=False, highlight=False)
 
 
 @app.command()
@@ -342,9 +345,18 @@ def report(
         Path | None,
         typer.Option(help="The JSON of `rangeprof evaluate --json` on this profile."),
     ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="x86 | aarch64 | npu: whose grid the scales are on (default: the evaluation's "
+            "target, else x86)."
+        ),
+    ] = None,
 ) -> None:
-    """One static HTML file, openable offline: the per-layer table, histograms with each
-    calibration method's clipping range, and the per-layer error of an evaluation."""
+    """One static HTML file, openable offline: the per-layer table with the scales the target
+    uses, histograms with each calibration method's clipping range, and the per-layer error of
+    an evaluation."""
+    from rangeprof.byoc.plugin import get_plugin
     from rangeprof.profiler.export.report import render_report
     from rangeprof.profiler.profiling.document import load_profile
     from rangeprof.workflows.profiling import evaluation_report
@@ -353,7 +365,9 @@ def report(
         _check_out(out)
         doc = load_profile(profile_path)
         measured = None if evaluation is None else evaluation_report(evaluation)
-        html = render_report(doc, measured)
+        target = target or (measured or {}).get("target") or "x86"
+        activations = get_plugin(target).policy.calibration()
+        html = render_report(doc, measured, target=target, activations=activations)
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, html)

@@ -14,11 +14,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-from rangeprof.profiler.calibrate.methods import CalibrationOptions, calibrate
 from rangeprof.profiler.calibrate.methods import schema as qparams_schema
 from rangeprof.profiler.export.formats import export
 from rangeprof.profiler.profiling.document import tensors_bytes, validate
 from rangeprof.service.limits import Limits
+from rangeprof.workflows.options import CalibrationOptions as Asked
+from rangeprof.workflows.profiling import calibrate_profile, calibration_options
 from rangeprof.workflows.requests import ProfileRequest
 
 import onnx_builders as mb
@@ -125,8 +126,8 @@ def test_exports_are_the_cli_exports(live, digits, fmt, options):
         f"/api/runs/{digits.run['id']}/export", params={"format": fmt, **options}
     )
     assert response.status_code == 200, response.text
-    typed = {k: float(v) if k == "percentile" else v for k, v in options.items()}
-    assert response.text == export(digits.reference, fmt, CalibrationOptions(**typed))
+    asked = Asked(**options)  # the target's policy where not given, the format's grid first
+    assert response.text == export(digits.reference, fmt, calibration_options(asked, fmt)[0])
 
 
 def test_qparams_are_stored_and_listed(live, digits):
@@ -136,10 +137,10 @@ def test_qparams_are_stored_and_listed(live, digits):
     response = live.owner.post(path, json=body)
     assert response.status_code == 201, response.text
     created = response.json()
-    options = CalibrationOptions(**body)
-    assert created["document"] == calibrate(digits.reference, options)
+    assert created["document"] == calibrate_profile(digits.reference, Asked(**body))
     jsonschema.validate(created["document"], qparams_schema())
-    assert created["options"] == options.to_json()
+    assert created["options"] == created["document"]["options"]
+    assert created["options"]["target"] == "x86" and created["options"]["dtype"] == "uint8"
     assert live.owner.get(path).json() == [*before, created]
 
 

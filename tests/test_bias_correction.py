@@ -80,7 +80,7 @@ def test_corrections_move_biases_by_the_measured_shift(profile_path):
 
 def test_bias_correction_raises_the_output_sqnr(profile_path):
     plain = _evaluate(profile_path)
-    fixed = _evaluate(profile_path, bias_correction=CALIB)
+    fixed = _evaluate(profile_path, bias_correction="measured", calibration_data=CALIB)
     assert fixed["bias_correction"] == {"mode": "empirical", "data": CALIB, "regions": 5}
     # Measured: 40.9 -> 42.1 dB; the top-1 is the FP32 one either way.
     assert fixed["output_sqnr_db"] > plain["output_sqnr_db"] + 0.5
@@ -89,7 +89,11 @@ def test_bias_correction_raises_the_output_sqnr(profile_path):
 
 def test_a_corrected_build_records_its_correction(profile_path, tmp_path):
     request = BuildRequest(
-        model=zoo_model("digits_cnn"), profile=profile_path, out=tmp_path, bias_correction=CALIB
+        model=zoo_model("digits_cnn"),
+        profile=profile_path,
+        out=tmp_path,
+        bias_correction="measured",
+        calibration_data=CALIB,
     )
     manifest = quantize.build(request)
     assert manifest["bias_correction"]["data"] == CALIB

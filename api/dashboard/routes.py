@@ -31,6 +31,7 @@ def _page(request: Request, name: str) -> HTMLResponse:
 
 @router.get("")
 def root() -> RedirectResponse:
+    """To the dashboard's first page (from its prefix, and from the service's root)."""
     return RedirectResponse(f"{PREFIX}/")
 
 
@@ -72,5 +73,7 @@ def evaluation(request: Request, evaluation_id: int) -> HTMLResponse:
 
 
 def mount(app: FastAPI) -> None:
+    """The dashboard under :data:`PREFIX`, and the service's root leading to it."""
+    app.add_api_route("/", root, include_in_schema=False)
     app.include_router(router)
     app.mount(f"{PREFIX}/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")

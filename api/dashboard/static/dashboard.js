@@ -235,19 +235,41 @@ function choicesOf(property) {
   return variants.flatMap((v) => v.enum ?? (v.const !== undefined ? [v.const] : []));
 }
 
-// Fill the fields of `form` named like properties of the schema `name`: a select gets the
-// choices (an optional one keeps its empty first option), every field the default, a number
-// its bounds, and each field the description as its tooltip.
-export async function applySchema(form, name) {
+// A control for an option the page does not lay out itself: a select of its choices (an
+// optional one with an empty first choice), a checkbox, a number, or text (a list: comma-separated).
+function control(field, property) {
+  const choices = choicesOf(property);
+  const optional = (property.anyOf ?? []).some((v) => v.type === "null");
+  const type = property.type ?? property.anyOf?.find((v) => v.type !== "null")?.type;
+  const text = field.replaceAll("_", " ");
+  if (choices.length) {
+    const empty = optional ? [el("option", { value: "" }, "none")] : [];
+    return el("label", {}, `${text} `, el("select", { name: field }, ...empty));
+  }
+  if (type === "boolean") return el("label", {}, el("input", { name: field, type: "checkbox", value: "true" }), ` ${text}`);
+  if (type === "integer" || type === "number") {
+    return el("label", {}, `${text} `, el("input", { name: field, type: "number", step: type === "integer" ? "1" : "any" }));
+  }
+  return el("label", {}, `${text} `, el("input", { name: field, size: "16", placeholder: type === "array" ? "comma-separated" : "" }));
+}
+
+// The options of `form` from the schema `name` of the OpenAPI document: a control for each
+// property the page has no field of is added to `container`, then every field named like a
+// property gets its choices, its default (as its default state, so that reset() returns to it),
+// its bounds and the property's description as its tooltip. Upload fields are the page's own.
+export async function applySchema(form, name, container) {
   openapi ??= await (await fetch("/openapi.json")).json();
   const properties = openapi.components.schemas[name].properties;
   for (const [field, property] of Object.entries(properties)) {
+    const upload = property.format === "binary" || property.contentMediaType !== undefined;
+    if (!form.elements[field] && !upload) container.append(control(field, property));
+  }
+  for (const [field, property] of Object.entries(properties)) {
     const input = form.elements[field];
-    if (!input || input instanceof RadioNodeList) continue;
+    if (!input || input instanceof RadioNodeList || input.type === "file") continue;
     const label = input.closest("label");
     if (label && property.description) label.title = property.description;
     const value = property.default;
-    // Defaults as the fields' default state, so that a form's reset() returns to them.
     if (input.tagName === "SELECT") {
       const empty = [...input.options].filter((o) => o.value === "");
       const options = choicesOf(property).map((c) => el("option", { value: String(c) }, String(c)));

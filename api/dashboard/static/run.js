@@ -22,7 +22,14 @@ import {
 } from "./dashboard.js";
 
 const runId = pathId("runs");
-const SUFFIX = { aimet: "encodings.json", ort: "calib.txt", "ort-json": "tensors.json", tensorrt: "trt.cache" };
+const SUFFIX = {
+  aimet: "encodings.json",
+  ort: "calib.txt",
+  "ort-json": "tensors.json",
+  tensorrt: "trt.cache",
+  qdq: "int8.onnx",
+  "model-explorer": "model-explorer.zip",
+};
 let model;
 
 async function loadRun() {
@@ -53,6 +60,7 @@ async function loadRun() {
 
 async function loadEvaluations() {
   const evaluations = await api(`/api/runs/${runId}/evaluations`);
+  exportEvaluations(evaluations);
   const rows = evaluations.map((e) =>
     el(
       "tr",
@@ -244,16 +252,44 @@ document.getElementById("download-profile").addEventListener("click", () =>
     showError(err, "download-error"),
   ),
 );
+// The done evaluations of the run, which the overlays and the report can show; the choice
+// stays while the list is polled.
+function exportEvaluations(evaluations) {
+  const select = document.getElementById("export-evaluation");
+  const chosen = select.value;
+  const done = evaluations.filter((e) => e.status === "done");
+  select.replaceChildren(
+    el("option", { value: "" }, "none"),
+    ...done.map((e) => el("option", { value: e.id }, `${e.id}: ${e.method} ${e.target}`)),
+  );
+  select.value = done.some((e) => String(e.id) === chosen) ? chosen : "";
+}
+
+// The chosen evaluation as a query parameter, and in the file's name.
+function withEvaluation(params) {
+  const evaluation = document.getElementById("export-evaluation").value;
+  if (evaluation) params.set("evaluation", evaluation);
+  return evaluation ? `.evaluation${evaluation}` : "";
+}
+
 for (const button of document.querySelectorAll("#downloads button[data-format]")) {
   button.addEventListener("click", () => {
     const format = button.dataset.format;
     const method = document.getElementById("export-method").value;
     const q = new URLSearchParams({ format, method });
-    download(`/api/runs/${runId}/export?${q}`, `${model.name}.run${runId}.${method}.${SUFFIX[format]}`).catch(
+    const tag = format === "model-explorer" ? withEvaluation(q) : "";
+    download(`/api/runs/${runId}/export?${q}`, `${model.name}.run${runId}.${method}${tag}.${SUFFIX[format]}`).catch(
       (err) => showError(err, "download-error"),
     );
   });
 }
+document.getElementById("download-report").addEventListener("click", () => {
+  const q = new URLSearchParams();
+  const tag = withEvaluation(q);
+  download(`/api/runs/${runId}/report?${q}`, `${model.name}.run${runId}${tag}.report.html`).catch((err) =>
+    showError(err, "download-error"),
+  );
+});
 
 document.getElementById("evaluate").addEventListener("submit", async (event) => {
   event.preventDefault();
@@ -289,8 +325,10 @@ document.getElementById("report").addEventListener("submit", async (event) => {
 
 async function main() {
   header(["Models", `${BASE}/`], `run ${runId}`);
-  await applySchema(document.getElementById("build"), "BuildUpload");
-  await applySchema(document.getElementById("evaluate"), "EvaluationRequest");
+  for (const [id, schema] of [["build", "BuildUpload"], ["evaluate", "EvaluationRequest"]]) {
+    const form = document.getElementById(id);
+    await applySchema(form, schema, form.querySelector(".options"));
+  }
   const run = await loadRun();
   header(["Models", `${BASE}/`], [model.name, `${BASE}/models/${model.id}?run=${runId}`], `run ${runId}`);
   document.getElementById("title").textContent = `${model.name}: run ${runId}`;
