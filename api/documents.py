@@ -1,4 +1,4 @@
-"""Profile documents in and out of the database, byte for byte.
+"""Profile documents in and out of the database, byte for byte, and exports of them as files.
 
 A run stores its document minus the tensors (``run.document``, where ``tensors`` is kept as an
 empty list so the keys keep their order) and one ``tensor_stat`` row per tensor entry: the
@@ -7,6 +7,9 @@ same document: same keys, same order, same numbers.
 """
 
 from __future__ import annotations
+
+import io
+import zipfile
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -54,3 +57,13 @@ def load_profile(session: Session, run: Run) -> dict:
         for row in tensor_rows(session, run.id)
     ]
     return {**run.document, "tensors": tensors}
+
+
+def zipped(files: dict[str, str]) -> bytes:
+    """Files of an export (Model Explorer overlays) in a zip, in their order, dated 1980: the
+    same files give the same bytes."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, text in files.items():
+            archive.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), text)
+    return buffer.getvalue()

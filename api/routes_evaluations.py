@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Form, status
+from fastapi import APIRouter, Form, HTTPException, status
+from fastapi.responses import Response
 from sqlalchemy import select
 
-from rangeprof.workflows.options import QuantizeOptions
+from rangeprof.profiler.export.formats import MODEL_EXPLORER
+from rangeprof.workflows.options import CalibrationOptions, QuantizeOptions
+from rangeprof.workflows.profiling import calibration_options, evaluation_report, render_export
 from rangeprof.workflows.requests import EvaluateRequest
 
 from . import catalog
 from .auth import Owner
 from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
+from .documents import load_profile, zipped
 from .job_requests import PROFILE_FILE, calibration_data, job_request, model_file, npz_ref
 from .limits import check_run_options
 from .models import Evaluation, Model, Run, TensorStat, utcnow
@@ -207,3 +211,36 @@ def _get(service, owner: int, evaluation_id: int) -> EvaluationOut:
     with service.db.session() as session:
         evaluation = _own_evaluation(session, owner, evaluation_id)
         return EvaluationOut(**_summary(evaluation), report=evaluation.report)
+
+
+@router.get(
+    "/api/evaluations/{evaluation_id}/model-explorer",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/zip": {}}},
+        409: {"model": ErrorOut, "description": "The evaluation is not done."},
+    },
+)
+def evaluation_overlays(service: ServiceDep, owner: Owner, evaluation_id: ObjectId) -> Response:
+    """The Model Explorer overlays of the evaluation's run with its figures (per-layer SQNR,
+    layers kept FP32): the zip of what ``rangeprof export --format model-explorer --evaluation``
+    writes."""
+    with service.db.read() as session:
+        evaluation = _own_evaluation(session, owner, evaluation_id)
+        if evaluation.status != "done":
+            why = f": {evaluation.error}" if evaluation.error else ""
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, f"evaluation {evaluation_id} is {evaluation.status}{why}"
+            )
+        run = evaluation.run
+        doc = load_profile(session, run)
+        model = service.store.path(run.model.sha256, catalog.MODEL_SUFFIX)
+        report = evaluation_report(evaluation.report)
+    options, _ = calibration_options(CalibrationOptions())  # overlays show no scales
+    files = render_export(doc, MODEL_EXPLORER, options, model, report)
+    name = f"{doc['model']['name']}.evaluation{evaluation_id}.{MODEL_EXPLORER}.zip"
+    return Response(
+        zipped(files),
+        media_type="application/zip",
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )

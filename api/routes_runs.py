@@ -5,24 +5,29 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Form, HTTPException, Query, status
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from sqlalchemy import select
 
 from rangeprof.profiler.calibrate.methods import CalibrationOptions
-from rangeprof.profiler.export.formats import QDQ, export
+from rangeprof.profiler.export.formats import MODEL_EXPLORER, QDQ, export
 from rangeprof.profiler.profiling.data import RANDOM
 from rangeprof.workflows.options import ProfileOptions
-from rangeprof.workflows.profiling import calibrate_profile, calibration_options
+from rangeprof.workflows.profiling import (
+    calibrate_profile,
+    calibration_options,
+    evaluation_report,
+    render_export,
+)
 from rangeprof.workflows.requests import ProfileRequest
 
 from . import catalog
 from .auth import Owner
 from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, own_model, own_run
-from .documents import load_profile, tensor_rows
+from .documents import load_profile, tensor_rows, zipped
 from .drift import tensor_drift
 from .job_requests import job_request, model_file
 from .limits import check_run_options, check_unpacked, copy_file
-from .models import QParamsSet, Run
+from .models import Evaluation, QParamsSet, Run
 from .schemas import (
     ENDED,
     CalibrationRequest,
@@ -32,6 +37,7 @@ from .schemas import (
     ObjectId,
     ProfileDocument,
     QParamsOut,
+    ReportQuery,
     RunData,
     RunOptions,
     RunOut,
@@ -112,6 +118,8 @@ def create_run(
             samples=samples,
             seed=form.seed,
             max_samples=limits.max_samples,
+            allow_nonfinite=form.allow_nonfinite,
+            cast=form.cast,
         )
         options = form.model_dump(include=set(ProfileOptions.model_fields))
         request = job_request(
@@ -175,16 +183,29 @@ def _calibration(options: ExportQuery) -> CalibrationOptions:
     "/api/runs/{run_id}/export",
     response_class=PlainTextResponse,
     responses={
-        200: {"content": {"application/octet-stream": {}, "application/json": {}}},
+        200: {
+            "content": {
+                "application/octet-stream": {},
+                "application/json": {},
+                "application/zip": {},
+            }
+        },
         400: {"model": ErrorOut},
+        404: {"model": ErrorOut},
         **_CONFLICT,
     },
 )
 def export_run(
-    service: ServiceDep, owner: Owner, run_id: ObjectId, query: Annotated[ExportQuery, Query()]
+    service: ServiceDep,
+    owner: Owner,
+    run_id: ObjectId,
+    query: Annotated[ExportQuery, Query()],
 ) -> Response:
     """The run's ranges in another tool's format, as ``rangeprof export`` writes them; ``qdq``:
-    the run's model with QuantizeLinear / DequantizeLinear pairs (``application/octet-stream``)."""
+    the run's model with QuantizeLinear / DequantizeLinear pairs (``application/octet-stream``);
+    ``model-explorer``: a zip of the Model Explorer overlays ``rangeprof export --format
+    model-explorer`` writes (an evaluation's figures too: ``GET
+    /api/evaluations/{id}/model-explorer``)."""
     options = _calibration(query)
     with service.db.read() as session:
         run = done_run(session, owner, run_id)
@@ -203,8 +224,65 @@ def export_run(
             media_type="application/octet-stream",
             headers={"Content-Disposition": f'attachment; filename="{name}"'},
         )
+    if query.format == MODEL_EXPLORER:
+        model = service.store.path(model_sha256, catalog.MODEL_SUFFIX)
+        files = render_export(doc, MODEL_EXPLORER, options, model)
+        name = f"{doc['model']['name']}.run{run_id}.{MODEL_EXPLORER}.zip"
+        return Response(
+            zipped(files),
+            media_type="application/zip",
+            headers={"Content-Disposition": f'attachment; filename="{name}"'},
+        )
     media = "application/json" if query.format in _JSON_FORMATS else "text/plain"
     return PlainTextResponse(export(doc, query.format, options), media_type=media)
+
+
+def _evaluation(session, run_id: int, evaluation_id: int | None) -> dict | None:
+    """The report of evaluation ``evaluation_id`` of the run (the caller's, as the run is);
+    404 for another run's, 409 while it is not done."""
+    if evaluation_id is None:
+        return None
+    evaluation = session.get(Evaluation, evaluation_id)
+    if evaluation is None or evaluation.run_id != run_id:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"evaluation {evaluation_id} of run {run_id} not found"
+        )
+    if evaluation.status != "done":
+        why = f": {evaluation.error}" if evaluation.error else ""
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, f"evaluation {evaluation_id} is {evaluation.status}{why}"
+        )
+    return evaluation_report(evaluation.report)
+
+
+@router.get(
+    "/api/runs/{run_id}/report",
+    response_class=HTMLResponse,
+    responses={400: {"model": ErrorOut}, 404: {"model": ErrorOut}, **_CONFLICT},
+)
+def report_run(
+    service: ServiceDep, owner: Owner, run_id: ObjectId, query: Annotated[ReportQuery, Query()]
+) -> HTMLResponse:
+    """The static HTML report ``rangeprof report`` writes of the run's profile: its ranges, the
+    scales the target uses (``target``; by default the evaluation's, else x86), histograms and,
+    with a done evaluation of the run (``evaluation``), the per-layer error."""
+    from rangeprof.byoc.policy import POLICIES
+    from rangeprof.profiler.export.report import render_report
+
+    with service.db.read() as session:
+        doc = load_profile(session, done_run(session, owner, run_id))
+        evaluation = _evaluation(session, run_id, query.evaluation)
+    target = query.target or (evaluation or {}).get("target") or "x86"
+    policy = POLICIES[target]
+    html = render_report(
+        doc,
+        evaluation,
+        target=target,
+        activations=policy.calibration(),
+        weights=policy.weight_calibration(),
+    )
+    name = f"{doc['model']['name']}.run{run_id}.report.html"
+    return HTMLResponse(html, headers={"Content-Disposition": f'inline; filename="{name}"'})
 
 
 @router.post(

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
-from rangeprof.profiler.export.formats import FORMATS, QDQ
+from rangeprof.profiler.export.formats import FORMATS, MODEL_FORMATS
 from rangeprof.workflows.options import (
     CalibrationOptions,
     Dtype,
@@ -32,7 +32,7 @@ _REQUEST = (
     "The job as its process runs it: the workflow's request (rangeprof.workflows), paths named "
     "as in the job's folder."
 )
-ExportFormat = Literal[(*FORMATS, QDQ)]  # qdq: the model is the run's
+ExportFormat = Literal[(*FORMATS, *MODEL_FORMATS)]  # qdq, model-explorer: of the run's model
 
 # Ids are 32-bit integers in the database (PostgreSQL's integer): a larger one names nothing,
 # and would overflow the query, so it is refused (422) before any query is made.
@@ -125,10 +125,27 @@ class ModelOut(ModelSummary):
 # Runs
 
 
+def _limits(**fields: int):
+    """The default limits of fields (``limits.Limits``) as their ``maximum`` in the OpenAPI
+    document: the options declare no server's limit, a server checks its own (422)."""
+
+    def document(schema: dict) -> None:
+        for name, limit in fields.items():
+            schema["properties"][name]["maximum"] = limit
+
+    return document
+
+
 class RunRequest(ProfileOptions):
     """multipart/form-data: calibration data (an .npz upload, or ``random`` with a sample
     count) and the options of ``rangeprof profile``. Optional fields are left out, never null
     (multipart has no null)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_limits(
+            samples=_MAX.max_samples, bins=_MAX.max_bins, batch_size=_MAX.max_batch_size
+        )
+    )
 
     data: UploadFile = Field(
         None, description=".npz file, one array per input, [N, *sample_shape]; no pickles."
@@ -198,6 +215,23 @@ class QParamsOut(_Out):
     created_at: datetime
     document: dict[str, Any] = Field(
         description="The QPARAMS JSON of `rangeprof calibrate` (profiler/schemas/qparams)."
+    )
+
+
+_EVALUATION_ID = "A done evaluation of the run (`GET /api/runs/{id}/evaluations`)"
+
+
+class ReportQuery(BaseModel):
+    """The options of ``rangeprof report``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    evaluation: int | None = Field(
+        None, ge=1, le=MAX_ID, description=f"{_EVALUATION_ID}: its per-layer error."
+    )
+    target: Target | None = Field(
+        None,
+        description="Whose grid the scales are on (default: the evaluation's target, else x86).",
     )
 
 
@@ -328,6 +362,8 @@ class LineageOut(BaseModel):
 class EvaluationRequest(QuantizeOptions):
     """multipart/form-data: evaluation data, optional labels and the options of ``rangeprof
     evaluate``; bias correction 'measured' runs the run's own calibration data."""
+
+    model_config = ConfigDict(json_schema_extra=_limits(samples=_MAX.max_samples))
 
     data: UploadFile = Field(description=".npz file, one array per input, [N, *sample_shape].")
     key: str = Field(

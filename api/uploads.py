@@ -1,7 +1,9 @@
 """Checking uploads before anything is stored: the ONNX model (loaded and tracked exactly as
 ``rangeprof inspect`` does) and calibration data (opened and read through as ``rangeprof
 profile`` would, against the model's inputs). Every problem is a
-:class:`~rangeprof.profiler.errors.RangeprofError` naming the uploaded file, never a server path.
+:class:`~rangeprof.profiler.errors.RangeprofError` naming the uploaded file, never a server path
+(answered 400), except data refused for what it holds — NaN or infinity, a dtype that does not
+fit its input, arrays not named like the inputs — which is answered 422.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-from fastapi import UploadFile
+from fastapi import HTTPException, UploadFile, status
 
 from rangeprof.profiler.errors import CalibrationDataError, InputShapeError, RangeprofError
-from rangeprof.profiler.profiling.data import RANDOM, InputSpec, open_data
+from rangeprof.profiler.profiling.data import RANDOM, DataContentError, InputSpec, open_data
 
 from .limits import Limits, check_unpacked, copy_file
 
@@ -126,17 +128,21 @@ def check_data(
     samples: int | None,
     seed: int,
     max_samples: int,
+    allow_nonfinite: bool = False,
+    cast: bool = False,
 ) -> int:
     """Open ``spec`` (a file in ``folder``, or ``random``) for the model's inputs and read it
-    through, so that a bad file fails now and not in the middle of a run; return the number of
-    samples it gives. Asking for more samples than the file holds is an error, not a cut; so is
-    a file holding more than ``max_samples`` when no count is asked for."""
+    through with the profiler's data checks (``allow_nonfinite``, ``cast``), so that a bad file
+    fails now and not in the middle of a run; return the number of samples it gives. Asking for
+    more samples than the file holds is an error, not a cut; so is a file holding more than
+    ``max_samples`` when no count is asked for."""
     specs = [InputSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in inputs]
     where = str(folder) + "/"
+    checks = {"allow_nonfinite": allow_nonfinite, "cast": cast}
     try:
         if spec == RANDOM:
             return open_data(spec, specs, samples=samples, seed=seed).num_samples
-        whole = open_data(where + spec, specs)  # opening reads no array
+        whole = open_data(where + spec, specs, **checks)  # opening reads no array
         available = whole.num_samples
         if samples is not None and samples > available:
             raise CalibrationDataError(f"{samples} samples asked for, but {spec} holds {available}")
@@ -152,9 +158,13 @@ def check_data(
             specs,
             batch_size=max(1, _CHECK_BYTES // max(1, sample_bytes)),
             samples=samples,
+            **checks,
         )
         for _ in source.batches():
             pass
+    except DataContentError as err:
+        detail = str(err).replace(where, "")
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None
     except CalibrationDataError as err:
         raise CalibrationDataError(str(err).replace(where, "")) from None
     return source.num_samples

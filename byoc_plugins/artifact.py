@@ -1,8 +1,10 @@
 """The deployable artifact of ``rangeprof build``: a shared library and its manifest.
 
 ``DIR/model.so`` is the compiled program (loadable by the TVM runtime of the target:
-``relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())``) and ``DIR/manifest.json``
-says what is in it: the model (name, sha256), the target and its quantization policy, the
+``relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())``, docs/deploy.md) and
+``DIR/manifest.json`` says what is in it: the model (name, sha256), the arguments of ``main`` in
+order (``inputs``: name → shape and dtype, the batch it was built for; value inputs bound at
+load time are no arguments), the target and its quantization policy, the
 calibration the qparams came from, every region with its profileIDs, its input / output qparams
 its mode (``int8``, ``int16`` for a layer an accuracy budget widened, or ``fp32`` with the
 reason) and what the target made of it (the npu's
@@ -38,7 +40,14 @@ def build_artifact(
     out_dir.mkdir(parents=True, exist_ok=True)
     library = out_dir / LIBRARY
     qm.plugin.export(executable, library)
-    manifest = qm.manifest()
+    loaded = qm.imported.loaded
+    # The model, then what ``main`` takes: what a deployment reads first.
+    model, *rest = qm.manifest().items()
+    inputs = {
+        name: {"shape": list(loaded.input_shapes[name]), "dtype": loaded.input_dtypes[name]}
+        for name in loaded.program_inputs
+    }
+    manifest = dict([model, ("inputs", inputs), *rest])
     details = qm.plugin.describe(mod) if qm.plugin.describe else {}
     for region in manifest["regions"]:
         region["mode"] = modes[region["name"]]

@@ -11,10 +11,12 @@ every region's output (:func:`~rangeprof.byoc.lowering.lower` with ``expose``):
 
 Per layer: SQNR ``10·log10(Σ ref² / Σ (ref − q)²)`` in dB over all samples, and the RMS error in
 units of the layer's output scale (1/√12 ≈ 0.29 is pure rounding). Per model: SQNR of the first
-output, top-1 agreement between FP32 and INT8, and top-1 accuracy of both with labels.
+output, top-1 agreement between FP32 and INT8, top-1 accuracy of both with labels, and a
+caller's ``metric(outputs, labels)`` of both (the Python API's: points, higher is better).
 
 :func:`fit_budget` widens the most sensitive layers (lowest isolated SQNR first) until the
-top-1 drop (or, without labels, the disagreement) is within a budget in points: to int16
+metric's drop (else top-1's, else, without labels, the disagreement) is within a budget in
+points: to int16
 activations first where the policy has them, then, if every layer on int16 is not enough, to
 FP32 in the same order.
 """
@@ -22,7 +24,7 @@ FP32 in the same order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -31,12 +33,16 @@ import tvm
 from tvm import relax
 
 from rangeprof.profiler.errors import RangeprofError
-from rangeprof.profiler.profiling.data import model_inputs, open_data
+from rangeprof.profiler.profiling.data import model_inputs, open_arrays, open_data
 
 from .lowering import FP32, INT8, INT16, SHADOW
 from .quantized import QuantizedModel
 
 Progress = Callable[[str, int, int], None]
+# A caller's figure of merit: the first output of every sample and the labels -> points.
+Metric = Callable[[np.ndarray, np.ndarray | None], float]
+# A data spec, or arrays held in memory (model_data).
+Data = str | Mapping[str, np.ndarray] | np.ndarray | list
 
 
 @dataclass
@@ -105,6 +111,8 @@ class Evaluation:
     layers: list[LayerError]
     kept_fp32: list[str] = field(default_factory=list)  # profileIDs of regions kept in FP32
     kept_int16: list[str] = field(default_factory=list)  # ... run on int16 activations
+    fp32_metric: float | None = None  # the caller's metric, when given
+    int8_metric: float | None = None
 
     @property
     def agreement(self) -> float:
@@ -120,7 +128,10 @@ class Evaluation:
 
     @property
     def drop(self) -> float:
-        """Top-1 points lost (with labels), else the disagreement in points."""
+        """The metric's points lost (with one), else top-1's (with labels), else the
+        disagreement in points."""
+        if self.int8_metric is not None:
+            return self.fp32_metric - self.int8_metric
         if self.fp32_correct is None:
             return 100.0 - self.agreement
         return self.fp32_top1 - self.int8_top1
@@ -141,6 +152,8 @@ class Evaluation:
         if self.fp32_correct is not None:
             doc["fp32_top1"] = round(self.fp32_top1, 3)
             doc["int8_top1"] = round(self.int8_top1, 3)
+        if self.int8_metric is not None:
+            doc["fp32_metric"], doc["int8_metric"] = self.fp32_metric, self.int8_metric
         return doc
 
 
@@ -168,12 +181,25 @@ def _bias(region) -> bytes | None:
     return None if bias is None else bias.tobytes()
 
 
-def model_data(qm: QuantizedModel, data: str, samples: int | None):
-    """``data`` (a :func:`rangeprof.profiler.profiling.data.open_data` spec) opened for ``qm``'s
-    inputs, in batches of the model's own batch."""
+def model_data(qm: QuantizedModel, data: Data, samples: int | None):
+    """``data`` opened for ``qm``'s inputs, in batches of the model's own batch: a
+    :func:`~rangeprof.profiler.profiling.data.open_data` spec, or arrays the caller holds
+    (:func:`~rangeprof.profiler.profiling.data.open_arrays`: a dict of arrays, one array, or a
+    list of batches of any sizes, gathered whole since evaluations count samples and read them
+    more than once)."""
     loaded = qm.imported.loaded
     batch = next(iter(loaded.input_shapes.values()))[0]
-    return open_data(data, model_inputs(loaded.facts), batch_size=batch, samples=samples)
+    inputs = model_inputs(loaded.facts)
+    if isinstance(data, str):
+        return open_data(data, inputs, batch_size=batch, samples=samples)
+    source = open_arrays(data, inputs, batch_size=batch, samples=samples)
+    if source.num_samples is not None:
+        return source
+    batches = list(source.batches())
+    if not batches:
+        raise RangeprofError("the data holds no samples")
+    gathered = {name: np.concatenate([b[name] for b in batches]) for name in batches[0]}
+    return open_arrays(gathered, inputs, batch_size=batch)
 
 
 def program(
@@ -198,23 +224,26 @@ def program(
 
 def evaluate(
     qm: QuantizedModel,
-    data: str,
+    data: Data,
     labels: np.ndarray | None = None,
     samples: int | None = None,
     kept_fp32: frozenset[str] = frozenset(),
     progress: Progress | None = None,
     compiled: dict | None = None,
     kept_int16: frozenset[str] = frozenset(),
+    metric: Metric | None = None,
 ) -> Evaluation:
-    """FP32 vs INT8 on ``data`` (a :func:`rangeprof.profiler.profiling.data.open_data` spec);
-    regions whose output profileID is in ``kept_fp32`` stay FP32, those in ``kept_int16`` run
-    on int16 activations. ``compiled`` caches programs
-    across calls: the FP32 and shadow programs do not depend on ``kept_fp32``, and the FP32 one not
-    on the qparams either (:meth:`~rangeprof.byoc.quantized.QuantizedModel.replanned` models share
-    it)."""
+    """FP32 vs INT8 on ``data`` (:func:`model_data`'s); regions whose output profileID is in
+    ``kept_fp32`` stay FP32, those in ``kept_int16`` run on int16 activations. ``compiled``
+    caches programs across calls: the FP32 and shadow programs do not depend on ``kept_fp32``,
+    and the FP32 one not on the qparams either
+    (:meth:`~rangeprof.byoc.quantized.QuantizedModel.replanned` models share it). Top-1 is
+    measured with 1-D integer ``labels``; ``metric`` gets every sample's first output of each
+    program and the labels (any array with a sample axis, or ``None``)."""
     source = model_data(qm, data, samples)
     if labels is not None and len(labels) < source.num_samples:
         raise RangeprofError(f"{len(labels)} labels for {source.num_samples} samples")
+    top1 = labels is not None and labels.ndim == 1 and labels.dtype.kind in "iu"
     quantizable = [r for r in qm.regions if r.fallback is None]
     modes = {r.name: region_mode(r, kept_fp32, kept_int16) for r in quantizable}
     stages = [
@@ -235,6 +264,7 @@ def evaluate(
     ]
     position = {name: {pid: i for i, pid in enumerate(p.ids)} for name, p in programs.items()}
     output, agree, fp32_ok, int8_ok, seen = _Error(), 0, 0, 0, 0
+    outputs: dict[str, list[np.ndarray]] = {"fp32": [], "int8": []}  # for the metric
     for batch_arrays in source.batches():
         inputs = list(batch_arrays.values())
         ref, ref_layers = programs["fp32"].run(inputs)
@@ -243,7 +273,10 @@ def evaluate(
         output.add(ref, got)
         ref_top, got_top = ref.reshape(len(ref), -1).argmax(1), got.reshape(len(got), -1).argmax(1)
         agree += int((ref_top == got_top).sum())
-        if labels is not None:
+        if metric is not None:
+            outputs["fp32"].append(ref)
+            outputs["int8"].append(got)
+        if top1:
             truth = labels[seen : seen + len(ref)]
             fp32_ok += int((ref_top == truth).sum())
             int8_ok += int((got_top == truth).sum())
@@ -254,15 +287,23 @@ def evaluate(
         seen += len(ref)
         if progress:
             progress("evaluating", seen, source.num_samples)
+    scores = {}
+    if metric is not None:
+        truth = None if labels is None else labels[:seen]
+        scores = {
+            f"{name}_metric": float(metric(np.concatenate(got), truth))
+            for name, got in outputs.items()
+        }
     return Evaluation(
         samples=seen,
         output=output,
         agree=agree,
-        fp32_correct=fp32_ok if labels is not None else None,
-        int8_correct=int8_ok if labels is not None else None,
+        fp32_correct=fp32_ok if top1 else None,
+        int8_correct=int8_ok if top1 else None,
         layers=layers,
         kept_fp32=sorted(kept_fp32),
         kept_int16=sorted(kept_int16 - kept_fp32),
+        **scores,
     )
 
 
@@ -275,20 +316,24 @@ def region_mode(region, kept_fp32: frozenset[str], kept_int16: frozenset[str]) -
 
 def fit_budget(
     qm: QuantizedModel,
-    data: str,
+    data: Data,
     budget: float,
     labels: np.ndarray | None = None,
     samples: int | None = None,
     progress: Progress | None = None,
     compiled: dict | None = None,
+    metric: Metric | None = None,
 ) -> Evaluation:
-    """The evaluation with the fewest regions widened (most sensitive first) whose drop is
-    within ``budget`` points; all of them FP32 is the last resort. A region is tried on int16
+    """The evaluation with the fewest regions widened (most sensitive first) whose drop
+    (:attr:`Evaluation.drop`: of ``metric`` when given) is within ``budget`` points; all of them
+    FP32 is the last resort. A region is tried on int16
     activations first where the policy has them, and kept in FP32 instead only if that lowers
     the drop further: int16 removes rounding error, not the clipping of a badly calibrated
     range (which FP32 removes)."""
     compiled = {} if compiled is None else compiled
-    result = evaluate(qm, data, labels, samples, progress=progress, compiled=compiled)
+    result = evaluate(
+        qm, data, labels, samples, progress=progress, compiled=compiled, metric=metric
+    )
     wide = qm.plugin.policy.wide_activations is not None
     weighted = {r.output_id for r in qm.regions if r.float_region.weight is not None}
     kept: dict[str, frozenset[str]] = {INT16: frozenset(), FP32: frozenset()}
@@ -297,7 +342,7 @@ def fit_budget(
         tried = {m: ids - {profile_id} for m, ids in kept.items()}
         tried[mode] |= {profile_id}
         return tried, evaluate(
-            qm, data, labels, samples, tried[FP32], progress, compiled, tried[INT16]
+            qm, data, labels, samples, tried[FP32], progress, compiled, tried[INT16], metric
         )
 
     for profile_id in [e.profile_id for e in result.ranked()]:

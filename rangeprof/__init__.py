@@ -8,6 +8,7 @@ The Python API (:mod:`rangeprof.facade`)::
     profile = rangeprof.profile(model, {"input": calibration_array})
     qparams = profile.calibrate(method="entropy")
     int8 = rangeprof.build(model, profile, target="x86")
+    int8 = rangeprof.quantize(model, calibration_array, target="x86")  # the three in one
 
 Its names are imported on first use, so that ``import rangeprof`` (and the CLI) start fast.
 The pipeline is :mod:`rangeprof.profiler`, the INT8 targets :mod:`rangeprof.byoc`, the jobs
@@ -25,11 +26,13 @@ __all__ = [
     "Model",
     "Profile",
     "QParams",
+    "RangeprofError",
     "TensorProfile",
     "build",
     "evaluate",
     "load",
     "profile",
+    "quantize",
 ]
 
 
@@ -39,3 +42,8 @@ def __getattr__(name: str):
 
         return getattr(facade, name)
     raise AttributeError(f"module 'rangeprof' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The API, not this module's own imports: the names are imported on first use.
+    return sorted(__all__)

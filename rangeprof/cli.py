@@ -366,8 +366,14 @@ def report(
         doc = load_profile(profile_path)
         measured = None if evaluation is None else evaluation_report(evaluation)
         target = target or (measured or {}).get("target") or "x86"
-        activations = get_plugin(target).policy.calibration()
-        html = render_report(doc, measured, target=target, activations=activations)
+        policy = get_plugin(target).policy
+        html = render_report(
+            doc,
+            measured,
+            target=target,
+            activations=policy.calibration(),
+            weights=policy.weight_calibration(),
+        )
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, html)

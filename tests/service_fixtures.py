@@ -212,9 +212,11 @@ def npz_bytes(**arrays) -> bytes:
 
 
 def write_calib(folder: Path, name: str = "calib.npz", start: int = 0, count: int = 16) -> Path:
-    """``count`` digits calibration samples as an .npz with one array, ``calib``."""
+    """``count`` digits calibration samples as an .npz, under digits_cnn's input name ``image``
+    (what a run without a key takes) and as ``calib`` (what ``FILE.npz:calib`` names)."""
     path = folder / name
-    np.savez(path, calib=np.load(DIGITS)["calib"][start : start + count])
+    samples = np.load(DIGITS)["calib"][start : start + count]
+    np.savez(path, image=samples, calib=samples)
     return path
 
 

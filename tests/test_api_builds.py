@@ -367,7 +367,7 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(live, digits, tmp_pat
         (post_form(key="test"), 400, "'data' is the evaluation data of an accuracy budget"),
         (post_form(data=None, labels_key="y"), 400, "'labels_key': these go with 'data'"),
         (post_form(**{**budget, "accuracy_budget": "-1"}), 422, "body accuracy_budget"),
-        (post_form(**{**budget, "key": "test_labels"}), 400, "eval.npz"),  # labels, not images
+        (post_form(**{**budget, "key": "test_labels"}), 422, "eval.npz"),  # labels, not images
         (post_form(**budget, labels=npz_bytes(y=np.arange(3))), 400, "3 labels for 32 samples"),
         (post_form(**budget, samples="33"), 400, "33 samples asked for"),
         (post_form(**budget, qparams_id=str(foreign)), 400, f"has no qparams {foreign}"),

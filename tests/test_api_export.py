@@ -6,9 +6,10 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from rangeprof.profiler.calibrate.methods import CalibrationOptions
 from rangeprof.profiler.export.qdq_model import qdq_model
 from rangeprof.service.limits import Limits
+from rangeprof.workflows.options import CalibrationOptions as Asked
+from rangeprof.workflows.profiling import calibration_options
 
 from conftest import zoo_model
 from service_fixtures import live_service, start_run, upload_model, wait_for_run, write_calib
@@ -41,7 +42,8 @@ def test_qdq_export_is_the_model_with_the_profiles_pairs(live, run):
     served = onnx.load_model_from_string(response.content)
     onnx.checker.check_model(served)
     profile = live.owner.get(f"/api/runs/{run['id']}/profile").json()
-    expected = qdq_model(onnx.load(zoo_model("digits_cnn")), profile, CalibrationOptions(**options))
+    calibration, _ = calibration_options(Asked(**options))  # mse, the target's policy else
+    expected = qdq_model(onnx.load(zoo_model("digits_cnn")), profile, calibration)
     assert response.content == expected.SerializeToString()
 
 
@@ -49,5 +51,5 @@ def test_text_formats_and_refusals_are_unchanged(live, run):
     url = f"/api/runs/{run['id']}/export"
     text = live.owner.get(url, params={"format": "ort"})
     assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain")
-    assert live.owner.get(url, params={"format": "model-explorer"}).status_code == 422
+    assert live.owner.get(url, params={"format": "onnx"}).status_code == 422
     assert live.stranger.get(url, params={"format": "qdq"}).status_code == 404

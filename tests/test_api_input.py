@@ -147,13 +147,13 @@ def _data(name: str, data: bytes, **form):
 
 
 def _digits(count: int = 4, **arrays) -> bytes:
-    return npz_bytes(**(arrays or {"calib": np.zeros((count, 1, 8, 8), np.float32)}))
+    return npz_bytes(**(arrays or {"image": np.zeros((count, 1, 8, 8), np.float32)}))
 
 
 def _zip_bomb() -> bytes:
     """A few kilobytes of .npz that unpack to 4 MB of zeros."""
     buffer = io.BytesIO()
-    np.savez_compressed(buffer, calib=np.zeros((16384, 1, 8, 8), np.float32))
+    np.savez_compressed(buffer, image=np.zeros((16384, 1, 8, 8), np.float32))
     return buffer.getvalue()
 
 
@@ -163,29 +163,30 @@ def _truncated_member() -> bytes:
     np.lib.format.write_array(array, np.zeros((16, 1, 8, 8), np.float32))
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("calib.npy", array.getvalue()[:-300])
+        archive.writestr("image.npy", array.getvalue()[:-300])
     return buffer.getvalue()
 
 
 RUN_CASES = {
     "pickled objects": (
-        _data("p.npz", _digits(calib=np.array([object()] * 4))),
+        _data("p.npz", _digits(image=np.array([object()] * 4))),
         400,
         "pickled data",
     ),
     "wrong shape": (
-        _data("s.npz", _digits(calib=np.zeros((4, 1, 7, 7), np.float32))),
+        _data("s.npz", _digits(image=np.zeros((4, 1, 7, 7), np.float32))),
         400,
         "does not fit input 'image'",
     ),
+    # What the data holds (dtype, names): 422, as tests/test_honest_inputs.py's cases.
     "unsafe dtype": (
-        _data("c.npz", _digits(calib=np.zeros((4, 1, 8, 8), np.complex64))),
-        400,
-        "does not cast safely",
+        _data("c.npz", _digits(image=np.zeros((4, 1, 8, 8), np.complex64))),
+        422,
+        "holds complex64, input 'image' is float32",
     ),
     "two arrays, no key": (
         _data("two.npz", _digits(a=np.zeros((4, 1, 8, 8)), b=np.zeros((4, 1, 8, 8)))),
-        400,
+        422,
         "choose one",
     ),
     "missing key": (_data("k.npz", _digits(), key="nope"), 400, "no array 'nope'"),

@@ -97,7 +97,7 @@ def test_a_1gb_data_upload_streams_through_bounded_server_memory(tmp_path):
             small = tmp_path / "small.npz"
             _write_npz(small, 16, width)  # warms every code path the big upload takes
             with small.open("rb") as f:
-                warm = api.post(runs, files={"data": f})
+                warm = api.post(runs, files={"data": f}, data={"key": "calib"})
             assert warm.status_code == 202, warm.text
             baseline = peak = _rss(server.process.pid)
             done = threading.Event()
@@ -111,7 +111,7 @@ def test_a_1gb_data_upload_streams_through_bounded_server_memory(tmp_path):
             sampler.start()
             try:
                 with data.open("rb") as f:
-                    response = api.post(runs, files={"data": f}, timeout=600)
+                    response = api.post(runs, files={"data": f}, data={"key": "calib"}, timeout=600)
             finally:
                 done.set()
                 sampler.join()

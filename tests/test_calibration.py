@@ -421,9 +421,14 @@ def test_cli_calibrate_with_best(tmp_path):
     assert result.exit_code == 0, result.output
     written = read_qparams(out)  # valid against the schema
     assert written["options"]["method"] == "best"
-    assert written["qparams"] and all(
-        q["method"] in METHODS and q["note"].startswith("best of ") for q in written["qparams"]
+    static = {e["profile_id"] for e in doc["tensors"] if e["kind"] == "weight" or e["static"]}
+    activations = [q for q in written["qparams"] if q["profile_id"] not in static]
+    assert activations and all(
+        q["method"] in METHODS and q["note"].startswith("best of ") for q in activations
     )
+    # Weights show the target's own grid: symmetric int8, max of each channel.
+    weights = [q for q in written["qparams"] if q["profile_id"] in static]
+    assert weights and all(q["method"] == "max" and q["dtype"] == "int8" for q in weights)
 
 
 # --- per-channel ----------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_profile_shards_with_channel_stats_merge_exactly(tmp_path):
     path = mb.save(mb.conv_bn_relu_scale(), tmp_path)
     data = np.random.default_rng(6).normal(size=(9, 3, 6, 6)).astype("float32")
     data[4, 0, 0, 0] = np.nan
-    options = ProfileOptions(bins=128, channel_stats=True)
+    options = ProfileOptions(bins=128, channel_stats=True, allow_nonfinite=True)
     whole = profile_model(path, data, options=options)
     validate(whole)
     activations = [t for t in whole["tensors"] if not t["static"] and len(t["shape"]) in (2, 4)]
@@ -149,7 +149,7 @@ def test_profile_shards_with_channel_stats_merge_exactly(tmp_path):
     for order in itertools.permutations(shards):
         merged = functools.reduce(merge_profiles, order)
         assert tensors_bytes(merged) == tensors_bytes(whole)
-    plain = profile_model(path, data, options=ProfileOptions(bins=128))
+    plain = profile_model(path, data, options=ProfileOptions(bins=128, allow_nonfinite=True))
     with pytest.raises(ProfileError, match="channel statistics"):
         merge_profiles(whole, plain)
     # a profile of schema 1.0 (no channel statistics) still loads; other versions do not
@@ -177,7 +177,7 @@ def test_digits_channel_means_match_onnxruntime(digits_profile):
     """Per-channel means of the profile against the same data through onnxruntime, for the
     graph input, conv outputs, a pooled map and a dense layer's input (NCHW axis 1, 2-D last)."""
     doc = load_profile(digits_profile)
-    assert doc["schema_version"] == "1.1" and doc["run"]["options"]["channel_stats"]
+    assert doc["schema_version"] == "1.2" and doc["run"]["options"]["channel_stats"]
     by_tensor = {t["source_tensor"]: t for t in doc["tensors"]}
     calib = np.load(DIGITS)["calib"]
     session = exposed_session(zoo_model("digits_cnn"), {"image": (200, 1, 8, 8)})

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 from sqlalchemy import select
@@ -763,6 +764,44 @@ def test_run_page_downloads_the_profile_and_every_export(tab, live, digits, tmp_
     tab.shot("run")
 
 
+def test_run_page_downloads_the_qdq_model_the_overlays_and_the_report(tab, live, digits, tmp_path):
+    page, run_id = tab.page, digits.run["id"]
+    finished_evaluation(live, digits.evaluation_id)
+    page.goto(f"/dashboard/runs/{run_id}")
+    expect(page.locator("#facts [data-fact=status]")).to_have_text("done")
+
+    def save(selector: str) -> Path:
+        with page.expect_download() as download:
+            page.click(selector)
+        saved = tmp_path / download.value.suggested_filename
+        download.value.save_as(saved)
+        return saved
+
+    page.select_option("#export-method", "mse")
+    export = f"/api/runs/{run_id}/export"
+    qdq = save("#downloads button[data-format='qdq']")
+    assert qdq.name == f"digits_cnn.run{run_id}.mse.int8.onnx"
+    served = live.owner.get(export, params={"format": "qdq", "method": "mse"}).content
+    assert qdq.read_bytes() == served and onnx.load_model_from_string(served).graph.node
+
+    # With the run's evaluation chosen, the overlays and the report show it.
+    option = page.locator(f"#export-evaluation option[value='{digits.evaluation_id}']")
+    expect(option).to_have_count(1)
+    page.select_option("#export-evaluation", str(digits.evaluation_id))
+    overlays = save("#downloads button[data-format='model-explorer']")
+    assert overlays.name.endswith(f"evaluation{digits.evaluation_id}.model-explorer.zip")
+    evaluated = live.owner.get(f"/api/evaluations/{digits.evaluation_id}/model-explorer")
+    assert overlays.read_bytes() == evaluated.content
+    with zipfile.ZipFile(overlays) as archive:
+        assert "isolated_sqnr.json" in archive.namelist()
+    report = save("#download-report")
+    assert report.name == f"digits_cnn.run{run_id}.evaluation{digits.evaluation_id}.report.html"
+    served = live.owner.get(
+        f"/api/runs/{run_id}/report", params={"evaluation": digits.evaluation_id}
+    ).text
+    assert report.read_text() == served and 'id="evaluation-summary"' in served
+
+
 def test_evaluation_page_lists_layers_worst_first_and_colours_the_graph(tab, live, digits):
     page = tab.page
     evaluation = finished_evaluation(live, digits.evaluation_id)
@@ -827,6 +866,7 @@ def test_run_page_queues_evaluations_and_takes_reports(tab, live, digits, tmp_pa
     data = tmp_path / "eval.npz"
     np.savez(data, test=np.load(DIGITS)["test"][:8])
     page.set_input_files("#evaluate input[name=data]", str(data))
+    page.fill("#evaluate input[name=key]", "test")
     page.fill("#evaluate input[name=labels_key]", "labels")
     page.click("#evaluate button")
     expect(page.locator("#evaluate-error")).to_contain_text("eval.npz: no array 'labels'")
@@ -1214,8 +1254,8 @@ def test_evaluation_api_refuses_bad_input_and_leaves_nothing_behind(backend_live
 
     refusals = [
         (post(method="median", key="x"), 422, "body method"),
-        (post(target="aarch64", key="x"), 422, "body target: Input should be 'x86' or 'npu'"),
-        (post(key="y"), 400, "eval.npz"),  # int labels are no float input
+        (post(target="gpu", key="x"), 422, "body target: Input should be 'x86', 'aarch64' or"),
+        (post(key="y"), 422, "eval.npz"),  # int labels are no float input: what it holds
         (post(data=b"PK-not-a-zip", key="x"), 400, "eval.npz"),
         (post(key="x", labels_key="nope"), 400, "eval.npz: no array 'nope'"),
         (post(key="x", labels_key="y2"), 400, "labels must be a 1-D integer array"),

@@ -53,7 +53,12 @@ def _error(spec, inputs=(X,), **options) -> str:
 def test_npz_only_array(tmp_path, save):
     path = tmp_path / "calib.npz"
     save(path, calib=_samples(5))
-    data = open_data(str(path), [X], batch_size=2)
+    message = _error(path)  # one array is not guessed to be the one input's
+    assert message == (
+        f"{path}: holds arrays 'calib', none named like the model's input 'x'; choose one with "
+        f"{path}:KEY"
+    )
+    data = open_data(f"{path}:calib", [X], batch_size=2)
     assert (data.num_samples, data.num_batches) == (5, 3)
     batches = list(data.batches())
     assert [b["x"].shape for b in batches] == [(2, 2, 3), (2, 2, 3), (1, 2, 3)]
@@ -66,7 +71,10 @@ def test_npz_key(tmp_path):
     np.savez(path, calib=_samples(4), test=_samples(7) + 100, labels=np.zeros(7, np.int64))
     np.testing.assert_array_equal(_all(open_data(f"{path}:test", [X])), _samples(7) + 100)
     message = _error(path)
-    assert message == f"{path}: holds arrays 'calib', 'test', 'labels'; choose one with {path}:KEY"
+    assert message == (
+        f"{path}: holds arrays 'calib', 'test', 'labels', none named like the model's input 'x'; "
+        f"choose one with {path}:KEY"
+    )
     message = _error(f"{path}:nope")
     assert "'nope'" in message and "'calib', 'test', 'labels'" in message
 
@@ -140,17 +148,23 @@ def test_npz_member_stored_short(tmp_path):
 # --- .npy ---------------------------------------------------------------------------------------
 
 
-def test_npy_casts_and_keeps_nan(tmp_path):
+def test_npy_casts_and_keeps_nan_when_allowed(tmp_path):
     path = tmp_path / "x.npy"
     values = _samples(3, ">f8")  # big-endian float64 -> native float32 is fine
     values[1, 0, 0] = np.nan
     np.save(path, values)
-    got = _all(open_data(str(path), [X]))
+    message = _error(path)
+    assert message == (
+        f"{path}: sample 1 holds NaN (input 'x'); pass --allow-nonfinite to profile it anyway"
+    )
+    got = _all(open_data(str(path), [X], allow_nonfinite=True))
     assert got.dtype == np.float32 and np.isnan(got[1, 0, 0])
     np.testing.assert_array_equal(got, values.astype(np.float32))
 
-    np.save(path, _samples(3, "int16"))  # int -> float is fine
-    np.testing.assert_array_equal(_all(open_data(str(path), [X])), _samples(3))
+    np.save(path, _samples(3, "int16"))  # int -> float only when asked
+    message = _error(path)
+    assert message == f"{path}: holds int16, input 'x' is float32: pass --cast to convert"
+    np.testing.assert_array_equal(_all(open_data(str(path), [X], cast=True)), _samples(3))
 
     np.save(path, np.asfortranarray(_samples(3)))  # a memory map reads any order
     np.testing.assert_array_equal(_all(open_data(str(path), [X])), _samples(3))
@@ -192,7 +206,10 @@ def test_unknown_source(tmp_path):
 def test_object_arrays_are_rejected(tmp_path, suffix):
     path = tmp_path / f"objects.{suffix}"
     objects = np.empty((2, 2, 3), dtype=object)
-    (np.savez if suffix == "npz" else np.save)(path, objects, allow_pickle=True)
+    if suffix == "npz":
+        np.savez(path, x=objects, allow_pickle=True)
+    else:
+        np.save(path, objects, allow_pickle=True)
     message = _error(path)
     assert str(path) in message and "Python objects (pickled data) are never loaded" in message
 
@@ -202,7 +219,10 @@ def test_array_checks(tmp_path, suffix):
     path = tmp_path / f"d.{suffix}"
 
     def save(array):
-        (np.savez if suffix == "npz" else np.save)(path, array)
+        if suffix == "npz":
+            np.savez(path, x=array)  # named like the input
+        else:
+            np.save(path, array)
 
     save(_samples(3)[0])  # one sample without the sample axis
     message = _error(path)
@@ -217,12 +237,14 @@ def test_array_checks(tmp_path, suffix):
     save(np.zeros((0, 2, 3), np.float32))
     assert "no samples" in _error(path)
 
+    ids = [InputSpec("ids", (1, 4), "int64")]
+    spec = f"{path}:x" if suffix == "npz" else str(path)
     save(np.zeros((3, 4), np.float64))
-    message = _error(path, [InputSpec("ids", (1, 4), "int64")])
-    assert "dtype float64 does not cast safely to input 'ids' (int64)" in message
+    assert "holds float64, input 'ids' is int64: pass --cast to convert" in _error(spec, ids)
+    assert _all(open_data(spec, ids, cast=True), "ids").dtype == np.int64
 
     save(np.zeros((3, 4), np.int32))  # int32 -> int64 is fine
-    assert _all(open_data(str(path), [InputSpec("ids", (1, 4), "int64")]), "ids").dtype == np.int64
+    assert _all(open_data(spec, ids), "ids").dtype == np.int64
 
 
 def test_option_checks(tmp_path):
@@ -364,7 +386,7 @@ def test_image_input_checks(tmp_path):
     assert "channels=L does not fit" in message(IMAGE, channels="L")
     assert "size=8x8 does not fit" in message(IMAGE, size=(8, 8))
     assert "mean has 2 values" in message(IMAGE, mean=(0.1, 0.2))
-    assert "dtype float32 does not cast safely to input 'u' (uint8)" in message(
+    assert "holds float32, input 'u' is uint8: pass --cast to convert" in message(
         InputSpec("u", IMAGE.shape, "uint8")
     )
     bad = tmp_path / "b.png"

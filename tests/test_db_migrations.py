@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -242,3 +243,46 @@ def test_ids_of_deleted_objects_are_never_reused(empty_db):
         assert ids[1] > ids[0]
     finally:
         db.dispose()
+
+
+def test_bias_correction_on_data_becomes_measured_and_back(empty_db):
+    """0010: a request that held its calibration data in ``bias_correction`` holds
+    ``measured`` there and the data in ``calibration_data``; a downgrade moves it back."""
+    spec = "calibration/calib.npz:calib"
+    build = sa.table("build", sa.column("id"), sa.column("request", sa.JSON))
+    engine = make_engine(empty_db)
+    try:
+        with engine.connect() as connection:
+            config = alembic_config(empty_db)
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0006")
+            connection.commit()
+        with engine.begin() as connection:
+            for table, rows in _ROWS_AT_0006.items():
+                for values in rows:
+                    connection.exec_driver_sql(f"INSERT INTO {table} {values}")
+        command.upgrade(alembic_config(empty_db), "0009")
+        with engine.begin() as connection:
+            request = connection.execute(select(build.c.request)).scalar()
+            changed = {**request, "bias_correction": spec}
+            connection.execute(build.update().values(request=changed))
+    finally:
+        engine.dispose()
+    rangeprof("db", "upgrade", "--db", empty_db)
+    db = Database(empty_db)
+    try:
+        with db.read() as session:
+            upgraded = session.get(Build, 1).request
+            assert (upgraded.bias_correction, upgraded.calibration_data) == ("measured", spec)
+            evaluation = session.scalars(select(Evaluation).order_by(Evaluation.id)).first()
+            assert evaluation.request.bias_correction is None
+    finally:
+        db.dispose()
+    command.downgrade(alembic_config(empty_db), "0009")
+    engine = make_engine(empty_db)
+    try:
+        with engine.connect() as connection:
+            downgraded = connection.execute(select(build.c.request)).scalar()
+    finally:
+        engine.dispose()
+    assert downgraded == changed

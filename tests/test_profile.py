@@ -93,7 +93,7 @@ def test_shard_merges_are_exact_in_any_order(tmp_path):
     data[4, 0, 0, 0] = np.nan
     data[7, 1, 2, 2] = np.inf
     np.save(tmp_path / "all.npy", data)
-    options = ProfileOptions(bins=256)
+    options = ProfileOptions(bins=256, allow_nonfinite=True)
     whole = profile_model(path, str(tmp_path / "all.npy"), options=options)
     validate(whole)
     assert whole["run"]["samples"] == 11

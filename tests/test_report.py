@@ -1,19 +1,23 @@
 """The static HTML report (``rangeprof.profiler.export.report``) on real profiles of digits_cnn
-and a real ``rangeprof evaluate --json``."""
+and a real ``rangeprof evaluate --json``: scales on the target's grid, the data by its file name,
+and ppocr_cls's report under 1 MB."""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
+import re
+from dataclasses import replace
 from html.parser import HTMLParser
 
 import pytest
 from typer.testing import CliRunner
 
+from rangeprof.byoc.plugin import TARGETS, get_plugin
 from rangeprof.cli import app
 from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, qparams_for
-from rangeprof.profiler.export.report import MAX_BARS, render_report
+from rangeprof.profiler.export.report import MAX_BARS, X86_ACTIVATIONS, X86_WEIGHTS, render_report
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 from conftest import SHARED, zoo_model
@@ -34,7 +38,7 @@ class Page(HTMLParser):
         self.opened: dict[str, int] = {}
         self.closed: dict[str, int] = {}
         self.tables: dict[str, list[list[dict]]] = {}  # table id -> rows -> cells
-        self.svgs: list[dict] = []  # {"label", "lines": [attrs], "bars": d}
+        self.svgs: list[dict] = []  # {"label", "lines": [(method, x)], "bars": d}
         self._table: list[list[dict]] | None = None
         self._cell: dict | None = None
         self.feed(text)
@@ -62,12 +66,15 @@ class Page(HTMLParser):
         elif tag == "svg":
             self.svgs.append({"label": a.get("aria-label"), "lines": [], "bars": None})
 
-    def handle_startendtag(self, tag, attrs):  # <line .../>: no content, nothing to close
+    def handle_startendtag(self, tag, attrs):  # <path .../>: no content, nothing to close
         a = dict(attrs)
-        if self.svgs and "svg" in self.stack:
-            if tag == "line" and "clip" in a.get("class", "").split():
-                self.svgs[-1]["lines"].append(a)
-            elif tag == "path" and a.get("class") == "bars":
+        if self.svgs and "svg" in self.stack and tag == "path":
+            classes = a.get("class", "").split()
+            if "clip" in classes:
+                (method,) = [c[2:] for c in classes if c.startswith("m-")]
+                xs = re.findall(r"M(-?\d+) ", a["d"])
+                self.svgs[-1]["lines"] += [(method, int(x)) for x in xs]
+            elif classes == ["bars"]:
                 self.svgs[-1]["bars"] = a["d"]
 
     def handle_endtag(self, tag):
@@ -159,7 +166,49 @@ def test_header(profile, report):
     assert f"<dt>samples</dt><dd>{run['samples']}</dd>" in head
     assert f"<dt>bins</dt><dd>{run['options']['bins']}</dd>" in head
     assert f"<dt>TVM</dt><dd>{run['tvm_version']}</dd>" in head
-    assert "<dt>run.data</dt><dd>random</dd>" in head
+    assert "<dt>data</dt><dd>random</dd>" in head
+    grid = "x86: activations asym uint8 per tensor; weights sym int8 per channel (max)"
+    assert f"<dt>scales for</dt><dd>{grid}</dd>" in head
+
+
+def test_the_data_is_named_by_its_file_name(profile):
+    doc = _small(profile)
+    doc["run"]["data"] = "/home/someone/secret place/calib.npz:calib,extra"
+    head = render_report(doc).split("</header>")[0]
+    assert "<dt>data</dt><dd>calib.npz:calib,extra</dd>" in head
+    assert "secret place" not in head and "/home" not in head
+    doc["run"]["data"] = "/data/images/"  # a folder of images
+    assert "<dt>data</dt><dd>images</dd>" in render_report(doc)
+
+
+def test_the_default_grid_is_the_x86_policy_and_each_target_names_its_own(profile):
+    policy = get_plugin("x86").policy
+    assert (policy.calibration(), policy.weight_calibration()) == (X86_ACTIVATIONS, X86_WEIGHTS)
+    doc = _small(profile)
+    for target in TARGETS:
+        policy = get_plugin(target).policy
+        activations = policy.calibration()
+        weights = policy.weight_calibration()
+        text = render_report(doc, target=target, activations=activations, weights=weights)
+        grid = f"{target}: activations {activations.scheme} {activations.dtype} per tensor"
+        assert f"<dt>scales for</dt><dd>{grid}" in text
+    # A symmetric grid (a target that would have one) gives symmetric scales.
+    sym = render_report(doc, activations=CalibrationOptions())
+    assert sym != render_report(doc) and "activations sym int8" in sym
+    with pytest.raises(ValueError, match="npu"):
+        render_report(doc, target="npu")
+
+
+def _scale_cells(header: list[str], row: list[dict]) -> dict[str, dict]:
+    """The scale cells of a row by method; a weight's one cell spans them all."""
+    first = [h.startswith("scale ") for h in header].index(True)
+    if row[first]["class"] == "w":
+        return {"weights": row[first]}
+    return {m: row[first + i] for i, m in enumerate(METHODS)}
+
+
+def _activation_options(method: str) -> CalibrationOptions:
+    return replace(X86_ACTIVATIONS, method=method, percentile=99.99)
 
 
 def test_layer_table_rows_and_scales(profile, page):
@@ -170,15 +219,32 @@ def test_layer_table_rows_and_scales(profile, page):
     pids = [c["text"] for row in rows for c in row if c["class"] == "pid"]
     assert pids == [t["profile_id"] for t in tensors]  # each exactly once, in profile order
     col = {name: header.index(name) for name in ("min", "max", "mean", "std", "shape")}
+    weights = 0
     for row, entry in zip(rows, tensors, strict=True):
         for key in ("min", "max", "mean", "std"):
             assert float(row[col[key]]["text"]) == pytest.approx(entry[key], rel=1e-5, abs=1e-12)
         assert row[col["shape"]]["text"] == "\u00d7".join(map(str, entry["shape"]))
+        cells = _scale_cells(header, row)
+        if entry["kind"] == "weight" or entry["static"]:
+            weights += 1
+            q = qparams_for(entry, X86_WEIGHTS)
+            scales = [float(v) for v in cells["weights"]["text"].split(" \u2013 ")]
+            if q.axis is None:
+                assert scales == [pytest.approx(q.scale, rel=1e-4)]
+            else:  # the smallest and the largest channel's
+                assert scales == pytest.approx([min(q.scale), max(q.scale)], rel=1e-4)
+            continue
         for method in METHODS:
-            cell = row[[h.startswith(f"scale {method}") for h in header].index(True)]
-            q = qparams_for(entry, CalibrationOptions(method=method))
+            cell = cells[method]
+            q = qparams_for(entry, _activation_options(method))
             assert float(cell["text"]) == pytest.approx(q.scale, rel=1e-4), (entry, method)
-            assert q.method in cell["title"]
+            assert q.method in cell["title"] and f"z {q.zero_point}" in cell["title"]
+    assert 0 < weights < len(tensors)
+
+
+def _bar_runs(d: str) -> list[tuple[int, float]]:
+    """(level, width) of each run of the bars' path."""
+    return [(int(v), float(w)) for v, w in re.findall(r"V(\d+)h([\d.]+)", d)]
 
 
 def test_one_histogram_per_tensor_with_method_lines(profile, report, page):
@@ -188,18 +254,20 @@ def test_one_histogram_per_tensor_with_method_lines(profile, report, page):
     for svg, entry in zip(page.svgs, tensors, strict=True):
         assert svg["label"] == f"histogram of {entry['profile_id']}"
         ends = 2 if entry["min"] < 0 else 1
-        methods = [line["data-method"] for line in svg["lines"]]
-        assert sorted(methods) == sorted(m for m in METHODS for _ in range(ends)), entry
-        assert len({line["stroke"] for line in svg["lines"]}) == len(METHODS)
+        methods = [method for method, _ in svg["lines"]]
+        if entry["kind"] == "weight" or entry["static"]:
+            assert methods == ["max"] * ends  # the widest channel's range
+        else:
+            assert sorted(methods) == sorted(m for m in METHODS for _ in range(ends)), entry
         bins = len(entry["histogram"]["counts"])
         group = math.ceil(bins / MAX_BARS)
-        assert svg["bars"].count("H") == math.ceil(bins / group) <= MAX_BARS
-        # The max method's upper clip line is the rightmost line: max >= every other threshold.
-        xs = {
-            m: max(float(li["x1"]) for li in svg["lines"] if li["data-method"] == m)
-            for m in METHODS
-        }
-        assert xs["max"] == max(xs.values())
+        runs = _bar_runs(svg["bars"])
+        assert math.ceil(sum(w for _, w in runs)) == math.ceil(bins / group) <= MAX_BARS
+        assert max(level for level, _ in runs) == 100 and min(level for level, _ in runs) >= 0
+        # The max method's upper clip line is the rightmost line, but for the asymmetric
+        # grid's zero point rounding, which moves a range by up to a step (1/255 of 554 units).
+        xs = {m: max(x for method, x in svg["lines"] if method == m) for m, _ in svg["lines"]}
+        assert xs["max"] >= max(xs.values()) - 3
 
 
 def test_evaluation_tables(profile, evaluation, report, page):
@@ -220,7 +288,8 @@ def test_evaluation_tables(profile, evaluation, report, page):
     assert shown == sorted(shown)
 
     header = page.header("tensors")
-    iso, acc = header.index("isolated dB"), header.index("accumulated dB")
+    assert header[-2:] == ["isolated dB", "accumulated dB"]
+    iso, acc = -2, -1  # from the end: a weight's scale cell spans the methods' columns
     by_id = {x["profile_id"]: x for x in layers}
     matched = 0
     for row, entry in zip(page.body_rows("tensors"), profile["tensors"], strict=True):
@@ -285,10 +354,33 @@ def test_profile_without_histograms(model):
     ]
     assert "<dt>bins</dt><dd>0</dd>" in text
     for row, entry in zip(rows, doc["tensors"], strict=True):
+        cells = _scale_cells(header, row)
+        if "weights" in cells:  # max of each channel: no histogram needed
+            assert cells["weights"]["text"] != DASH
+            continue
         for method in METHODS:
-            cell = row[[h.startswith(f"scale {method}") for h in header].index(True)]
+            cell = cells[method]
             if method == "max" or entry["min"] == entry["max"] == 0:
-                q = qparams_for(entry, CalibrationOptions(method=method))
+                q = qparams_for(entry, _activation_options(method))
                 assert float(cell["text"]) == pytest.approx(q.scale, rel=1e-4)
             else:
                 assert cell["text"] == DASH
+
+
+def test_ppocr_cls_report_stays_under_a_megabyte(tmp_path):
+    """663 tensors profiled on the 128 calibration lines: the report drew 3.1 MB of histograms
+    at 200 bars each before they were reduced for display."""
+    model = zoo_model("ppocr_cls")
+    data = SHARED / "data" / "textlines.npz"
+    profile_path, out = tmp_path / "ppocr.profile.json", tmp_path / "ppocr.html"
+    args = ["profile", str(model), "--data", f"{data}:calib", "--input-shape", "x=1x3x48x192"]
+    result = CliRunner().invoke(app, [*args, "--out", str(profile_path)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, ["report", str(profile_path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert len(text.encode()) < 1_000_000
+    tensors = json.loads(profile_path.read_text())["tensors"]
+    page = Page(text)
+    assert page.errors == [] and len(page.svgs) == sum(bool(t["histogram"]) for t in tensors)
+    assert "<dt>data</dt><dd>textlines.npz:calib</dd>" in text and str(SHARED) not in text

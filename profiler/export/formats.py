@@ -10,16 +10,23 @@ that no ONNX tool can name.
   optional, defaulting to zero).
 * ``ort``: ONNX Runtime's ``calibration.cache`` text (``write_calibration_table``): a
   ``name value`` line per tensor, sorted by name, ``value`` the symmetric threshold
-  ``max(|lo|, |hi|)`` printed as ORT prints a float32. ORT writes ``max(highest, lowest)``, which
-  is the same for the symmetric ranges its TensorRT path produces; for an asymmetric range it
-  would drop a larger negative side, so we write the threshold that covers both.
+  ``max(|lo|, |hi|)`` printed as ORT prints a float32. The line holds one number, which
+  TensorRT's execution provider reads as the dynamic range ``[-value, value]``: no asymmetric
+  range fits in it. ORT writes ``max(highest, lowest)``, the same number for the symmetric ranges
+  its TensorRT path produces and for a one-sided tensor (``lo = 0``, a ReLU output: the upper end
+  of its asymmetric range, as written here); for a range with a larger negative side it would
+  drop that side, so we write the threshold that covers both. ``ort-json`` holds the asymmetric
+  ranges.
 * ``ort-json``: ONNX Runtime's ``TensorsData`` JSON, as ``save_tensors_data`` writes it and
   ``quantize_static(calibration_cache_path=...)`` / ``load_tensors_data`` read it: per tensor
-  ``lowest`` and ``highest`` = the represented clip range, so ORT re-derives our scale and zero
-  point when its settings match ours (``activation_type``; ``ActivationSymmetric`` for ``sym``) —
-  except for uint8 symmetric, where ORT's grid differs (see
-  :mod:`rangeprof.profiler.calibrate.methods`). ``calibration_method`` is always ``MinMax``: the
-  ranges are final, and ``MinMax`` is ``quantize_static``'s default, which the cache must match.
+  ``lowest`` and ``highest`` = the range the grid represents, so ORT re-derives our scale and
+  zero point when its settings match ours (``activation_type``; ``ActivationSymmetric`` for
+  ``sym``) — except for uint8 symmetric, where ORT's grid differs (see
+  :mod:`rangeprof.profiler.calibrate.methods`). With ``scheme="asym"`` a one-sided tensor (min ≥ 0,
+  a ReLU output) keeps its asymmetric range ``[0, (qmax − z) s]``, all the levels on the values it
+  takes, not the symmetric ``[-t, t]`` that would spend half of them below 0.
+  ``calibration_method`` is always ``MinMax``: the ranges are final, and ``MinMax`` is
+  ``quantize_static``'s default, which the cache must match.
 * ``tensorrt``: a TensorRT calibration cache: header ``TRT-8601-EntropyCalibration2`` (TensorRT
   8.6.1) then ``name: <hex>`` per tensor, the hex the big-endian float32 bits of the int8 scale
   ``threshold / 127``. TensorRT quantizes symmetrically to int8, so this needs ``scheme="sym"``

@@ -1,10 +1,19 @@
 """A profile (and optionally an evaluation) as one self-contained, static HTML page.
 
-``rangeprof report PROFILE.json [--evaluation E.json] --out report.html`` writes what
-:func:`render_report` returns: a header with the model and run, a per-layer table of ranges and
-of the int8 symmetric scale each calibration method (:mod:`rangeprof.profiler.calibrate.methods`)
-suggests, an inline SVG histogram per tensor that has one with each method's clip range drawn on
-it, and, given the JSON of ``rangeprof evaluate --json``, the per-layer quantization error.
+``rangeprof report PROFILE.json [--evaluation E.json] [--target T] --out report.html`` writes
+what :func:`render_report` returns: a header with the model and run, a per-layer table of ranges
+and of the scale each calibration method (:mod:`rangeprof.profiler.calibrate.methods`) gives on
+the grid the target uses, an inline SVG histogram per tensor that has one with each method's
+clip range drawn on it, and, given the JSON of ``rangeprof evaluate --json``, the per-layer
+quantization error.
+
+**The target's scales.** Activations are calibrated with the options of the target's policy
+(``rangeprof.byoc.plugin.get_plugin(target).policy.calibration(method, percentile)``: every
+target has asymmetric uint8 activations), passed in by the caller, as this package does not
+know the targets; weights (and other static tensors) take the policy's weight grid
+(``.weight_calibration()``: symmetric int8 per output channel from each channel's max),
+whatever the method: one scale range per weight. A build quantizes the weights after batch
+norms fold into them, so a weight's scale here is that of the profiled initializer.
 
 The page is **self-contained**: inline CSS and inline SVG only, no script, no server, no
 network, no fonts or stylesheets from a CDN. A report is an artifact to attach to a ticket, mail,
@@ -14,15 +23,21 @@ bytes (no timestamps, fixed number formatting, tensors in profile order), so rep
 and cached.
 
 All text from the documents (profileIDs hold ``/``, ``#``, ``:``; node names may hold ``<``) is
-HTML-escaped. Histograms are downsampled to at most :data:`MAX_BARS` bars (adjacent bins summed)
-so a report of a large model stays small; bar heights are ``log10(count + 1)``.
+HTML-escaped. The calibration data is named by its file name (and keys), not the path it had on
+the machine that profiled. A report of a large model stays small (ppocr_cls, 663 tensors: under
+1 MB): histograms are drawn with at most :data:`MAX_BARS` bars (adjacent bins summed), bar heights
+``log10(count + 1)`` on :data:`LEVELS` integer levels, one run-length path per histogram in bar
+units, integer coordinates, colours from the stylesheet; the full histograms stay in the
+profile JSON.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 from html import escape
+from pathlib import PureWindowsPath
 
 import numpy as np
 
@@ -32,13 +47,20 @@ from rangeprof.profiler.profiling.statistics import TensorStats
 
 __all__ = ["render_report"]
 
-MAX_BARS = 200
+MAX_BARS = 128
+LEVELS = 100  # bar heights are whole hundredths of the tallest
 PERCENTILE = 99.99
+TARGET = "x86"
+# The x86 policy's grids (get_plugin("x86").policy.calibration() and .weight_calibration()),
+# when the caller gives none.
+X86_ACTIVATIONS = CalibrationOptions(scheme="asym", dtype="uint8", granularity="per-channel")
+X86_WEIGHTS = CalibrationOptions(scheme="sym", dtype="int8", granularity="per-channel")
 DASH = "\u2014"  # shown where a value is missing or a method does not apply
 
-# One colour and dash pattern per method, so that coinciding clip lines stay distinguishable.
+# One colour and dash pattern per method (the stylesheet's ``m-<method>``), so that coinciding
+# clip lines stay distinguishable.
 _STYLE = {
-    "max": ("#d62728", ""),
+    "max": ("#d62728", "none"),
     "percentile": ("#1f77b4", "6 3"),
     "entropy": ("#2ca02c", "2 2"),
     "mse": ("#9467bd", "8 3 2 3"),
@@ -49,14 +71,16 @@ _LABEL = {
     "entropy": "entropy",
     "mse": "mse",
 }
+# The legend's underline for each dash pattern.
+_BORDER = {"none": "solid", "6 3": "dashed", "2 2": "dotted", "8 3 2 3": "dashed"}
 
 # SVG geometry (user units).
-_W, _H = 860, 200
+_W, _H = 640, 182
 _PLOT_X0, _PLOT_X1 = 56, 610
 _PLOT_Y0, _PLOT_Y1 = 12, 160  # top, baseline
-_LEGEND_X = 626
 
-_CSS = """
+_CSS = (
+    """
 body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:1.5em;color:#222}
 h1{font-size:1.5em;margin:0 0 .3em}h2{font-size:1.2em;margin:1.6em 0 .5em}
 dl.meta{display:grid;grid-template-columns:max-content auto;gap:.1em 1em;margin:.5em 0}
@@ -65,31 +89,58 @@ dl.meta dt{color:#555}dl.meta dd{margin:0;font-family:ui-monospace,monospace}
 table{border-collapse:collapse;font-size:12.5px}
 th,td{border:1px solid #ddd;padding:2px 6px;text-align:right;white-space:nowrap}
 thead th{background:#f3f3f3;position:sticky;top:0}
-td.t,th.t{text-align:left}td.pid{text-align:left;font-family:ui-monospace,monospace}
-td.na{color:#999;text-align:center}td.fb{color:#a60}
+td.t,th.t,#tensors td:is(:nth-child(3),:nth-child(4),:nth-child(5),:nth-child(7)){text-align:left}
+td.pid{text-align:left;font-family:ui-monospace,monospace}
+td.na{color:#999;text-align:center}td.fb{color:#a60}td.w{text-align:center}
 td.bad{background:#fdd}td.warn{background:#fec}td.exact{color:#070}
 tr.weight td{color:#445}
 figure{margin:1em 0;border-top:1px solid #eee;padding-top:.4em}
 figcaption{font-family:ui-monospace,monospace;font-size:12.5px}
-svg{display:block;max-width:100%;height:auto}
+svg{display:block;width:"""
+    + str(_W)
+    + """px;max-width:100%;height:auto}
 svg text{font:11px ui-monospace,monospace;fill:#333}
+text.s{text-anchor:start}text.m{text-anchor:middle}text.e{text-anchor:end}
+p.legend span{font-family:ui-monospace,monospace;margin-right:1.5em;padding-bottom:2px}
 .bars{fill:#9bb7d4;stroke:none}.axis{stroke:#444;stroke-width:1;fill:none}
 .zero{stroke:#aaa;stroke-dasharray:1 3}.clip{stroke-width:1.6;fill:none}
 p.note{color:#555;font-size:12.5px;max-width:75em}
 """
+    + "".join(
+        f".clip.m-{m}{{stroke:{colour};stroke-dasharray:{dash}}}"
+        f"p.legend .m-{m}{{color:{colour};border-bottom:2px {_BORDER[dash]} {colour}}}"
+        for m, (colour, dash) in _STYLE.items()
+    )
+    + "\n"
+)
 
 
-def render_report(profile: dict, evaluation: dict | None = None) -> str:
+def render_report(
+    profile: dict,
+    evaluation: dict | None = None,
+    *,
+    target: str = TARGET,
+    activations: CalibrationOptions | None = None,
+    weights: CalibrationOptions | None = None,
+) -> str:
     """The HTML report of a profile document, as one self-contained page.
 
     ``profile`` is a profile document (``rangeprof profile``'s JSON); ``evaluation``, if given,
-    the object ``rangeprof evaluate --json`` prints. Scales are int8 symmetric per-tensor, one
-    per calibration method (percentile at 99.99); a method that does not apply to a tensor (no
-    histogram: profiled with ``--bins 0``) shows an em dash. Deterministic: equal documents give
-    equal strings.
+    the object ``rangeprof evaluate --json`` prints. Scales are those ``target`` uses, from its
+    policy's options, required for a target other than x86: ``activations``
+    (``get_plugin(target).policy.calibration()``; the scheme, dtype and power-of-two rounding
+    are read), one per-tensor scale per calibration method (percentile at 99.99), and
+    ``weights`` (``.weight_calibration()``), the same for every method. A method that does not
+    apply to a tensor (no histogram: profiled with ``--bins 0``) shows an em dash.
+    Deterministic: equal documents give equal strings.
     """
+    if activations is None or weights is None:
+        if target != TARGET:
+            raise ValueError(f"the calibration options of target {target!r} are needed")
+        activations = activations or X86_ACTIVATIONS
+        weights = weights or X86_WEIGHTS
     tensors = list(profile.get("tensors") or [])
-    rows = [_Row(i, entry) for i, entry in enumerate(tensors)]
+    rows = [_Row(i, entry, activations, weights) for i, entry in enumerate(tensors)]
     errors = _ranked_layers(evaluation) if evaluation is not None else None
     by_id: dict[str, dict] = {}
     for layer in errors or ():
@@ -108,29 +159,49 @@ def render_report(profile: dict, evaluation: dict | None = None) -> str:
         f"<style>{_CSS}</style>",
         "</head>",
         "<body>",
-        _header(profile, rows),
+        _header(profile, rows, _grid_text(target, activations, weights)),
     ]
     if evaluation is not None:
         rows_by_id = {r.pid: r.index for r in reversed(rows)}  # the first row of a profileID
         parts.append(_evaluation_section(evaluation, errors, rows_by_id))
-    parts.append(_tensor_table(rows, by_id if evaluation is not None else None))
+    parts.append(
+        _tensor_table(rows, by_id if evaluation is not None else None, activations, weights)
+    )
     parts.append(_histogram_section(rows))
     parts += ["</body>", "</html>", ""]
     return "\n".join(parts)
 
 
-class _Row:
-    """One tensor entry with its statistics and each method's quantization parameters."""
+def _grid_text(target: str, activations: CalibrationOptions, weights: CalibrationOptions) -> str:
+    """What the scales are for: the target, its activation and weight grids."""
+    rounding = ", power-of-two scales" if activations.power_of_two else ""
+    per = weights.granularity.replace("-", " ")
+    return (
+        f"{target}: activations {activations.scheme} {activations.dtype} per tensor{rounding}; "
+        f"weights {weights.scheme} {weights.dtype} {per} (max)"
+    )
 
-    def __init__(self, index: int, entry: dict):
+
+class _Row:
+    """One tensor entry with its statistics and its quantization parameters: a weight's on the
+    weight grid, an activation's for each method on the target's activation grid."""
+
+    def __init__(
+        self, index: int, entry: dict, activations: CalibrationOptions, weights: CalibrationOptions
+    ):
         self.index = index
         self.entry = entry
         self.pid = str(entry.get("profile_id"))
         self.stats = TensorStats.from_json(entry)
+        # As qparams_for: static tensors are weights and weight transforms.
+        self.weight = entry.get("kind") == "weight" or bool(entry.get("static"))
         self.qparams: dict[str, dict | None] = {}
+        if self.weight:
+            self.qparams["max"] = qparams_for(entry, replace(weights, method="max")).to_json()
+            return
         for method in METHODS:
-            options = CalibrationOptions(
-                method=method, percentile=PERCENTILE, scheme="sym", dtype="int8"
+            options = replace(
+                activations, method=method, percentile=PERCENTILE, granularity="per-tensor"
             )
             try:
                 self.qparams[method] = qparams_for(entry, options).to_json()
@@ -145,6 +216,17 @@ class _Row:
     def has_histogram(self) -> bool:
         h = self.stats.histogram
         return h is not None and len(h.counts) > 0 and int(h.counts.sum()) > 0
+
+    def clip_ranges(self) -> dict[str, tuple[float, float]]:
+        """Each method's clip range (a weight's: the widest of its channels)."""
+        ranges = {}
+        for method, q in self.qparams.items():
+            if q is not None:
+                lo, hi = q["range"]
+                if q["axis"] is not None:
+                    lo, hi = min(lo), max(hi)
+                ranges[method] = (float(lo), float(hi))
+        return ranges
 
 
 # --- formatting -------------------------------------------------------------------------------
@@ -207,7 +289,18 @@ def _flatten(prefix: str, value: object) -> Iterable[tuple[str, str]]:
 # --- header -----------------------------------------------------------------------------------
 
 
-def _header(profile: dict, rows: list[_Row]) -> str:
+def _data_name(spec: object) -> str:
+    """A ``--data`` spec by its file name: ``FILE.npz:KEY`` → ``name.npz:KEY``, a folder or
+    ``.npy`` by its last component (either separator); ``random`` and in-memory arrays as they
+    are."""
+    text = str(spec)
+    head, sep, keys = text.rpartition(":")
+    if sep and head.lower().endswith(".npz"):
+        return f"{PureWindowsPath(head).name}:{keys}"
+    return PureWindowsPath(text).name or text
+
+
+def _header(profile: dict, rows: list[_Row], grid: str) -> str:
     model = profile.get("model") or {}
     run = profile.get("run") or {}
     options = run.get("options") or {}
@@ -216,8 +309,10 @@ def _header(profile: dict, rows: list[_Row]) -> str:
     items = [
         ("model", str(model.get("name", DASH))),
         ("sha256", sha[:12] or DASH),
+        ("scales for", grid),
         ("tensors", f"{len(rows)} ({with_hist} with a histogram)"),
         ("samples", _num(run.get("samples"))),
+        ("data", _data_name(run["data"]) if run.get("data") else DASH),
         ("bins", _num(options.get("bins"))),
         ("TVM", str(run.get("tvm_version") or DASH)),
     ]
@@ -225,7 +320,7 @@ def _header(profile: dict, rows: list[_Row]) -> str:
         items.append(("opset", _num(model["opset"])))
     for name, shape in (model.get("inputs") or {}).items():
         items.append((f"input {name}", _shape(shape)))
-    skip = {"samples", "tvm_version", "options.bins"}
+    skip = {"samples", "data", "tvm_version", "options.bins"}
     items += [(f"run.{k}", v) for k, v in _flatten("", run) if k not in skip]
     meta = "".join(
         f'<dt>{_e(k)}</dt><dd title="{_e(sha)}">{_e(v)}</dd>'
@@ -244,7 +339,12 @@ def _header(profile: dict, rows: list[_Row]) -> str:
 # --- per-layer table --------------------------------------------------------------------------
 
 
-def _tensor_table(rows: list[_Row], by_id: dict[str, dict] | None) -> str:
+def _tensor_table(
+    rows: list[_Row],
+    by_id: dict[str, dict] | None,
+    activations: CalibrationOptions,
+    weights: CalibrationOptions,
+) -> str:
     head = ["#", "profileID", "kind", "op", "source node", "shape", "dtype"]
     head += ["min", "max", "mean", "std"]
     head += [f"scale {_LABEL[m]}" for m in METHODS]
@@ -255,16 +355,38 @@ def _tensor_table(rows: list[_Row], by_id: dict[str, dict] | None) -> str:
         f'<th class="t">{_e(h)}</th>' if h in left else f"<th>{_e(h)}</th>" for h in head
     )
     body = [_tensor_row(r, by_id) for r in rows]
+    grid = f"{activations.scheme} {activations.dtype}"
+    formula = "s = (hi \u2212 lo) / 255" if activations.scheme == "asym" else "s = \u03b1 / 127"
     return (
-        '<section id="layers">\n<h2>Per-layer ranges and int8 scales</h2>\n'
-        '<p class="note">Scales are int8 symmetric, per tensor (<code>s = \u03b1 / 127</code>), '
-        "as <code>rangeprof calibrate</code> computes them; hover a scale for its clip range. "
+        '<section id="layers">\n<h2>Per-layer ranges and scales</h2>\n'
+        f'<p class="note">Activations: {_e(grid)}, per tensor (<code>{_e(formula)}</code> for '
+        "8 bits), one scale per method, as <code>rangeprof calibrate</code> computes them with "
+        "the target's options; hover a scale for its clip range and zero point. Weights: "
+        f"{_e(weights.scheme)} {_e(weights.dtype)} {_e(weights.granularity)} from the max "
+        "(per channel: the smallest and largest channel scale), as the build quantizes them "
+        "once batch norms are folded in. "
         f"{_e(DASH)}: the method needs a histogram (profiled with <code>--bins 0</code>). "
         "Orange: the method fell back to another one (hover for why).</p>\n"
         '<div class="scroll">\n<table id="tensors">\n'
         f"<thead><tr>{cells}</tr></thead>\n<tbody>\n" + "\n".join(body) + "\n</tbody>\n</table>\n"
         "</div>\n</section>"
     )
+
+
+def _range_text(q: dict) -> str:
+    lo, hi = q["range"]
+    return f"[{_num(lo, 5)}, {_num(hi, 5)}] z {q['zero_point']}"
+
+
+def _weight_cell(q: dict) -> str:
+    """A weight's scales across the four method columns: they do not depend on the method."""
+    if q["axis"] is None:
+        text, title = _num(q["scale"], 5), f"per tensor: {_range_text(q)}"
+    else:
+        scales = q["scale"]
+        text = f"{_num(min(scales), 5)} \u2013 {_num(max(scales), 5)}"
+        title = f"{len(scales)} channels (axis {q['axis']}), max |w| {_num(max(q['range'][1]))}"
+    return f'<td colspan="{len(METHODS)}" class="w" title="{_e(title)}">{_e(text)}</td>'
 
 
 def _tensor_row(row: _Row, by_id: dict[str, dict] | None) -> str:
@@ -278,23 +400,24 @@ def _tensor_row(row: _Row, by_id: dict[str, dict] | None) -> str:
     cells = [
         _td(str(row.index)),
         pid,
-        _td(str(e.get("kind", DASH)), "t"),
-        _td(str(op) if op else DASH, "t"),
-        _td(str(node) if node else DASH, "t"),
+        _td(str(e.get("kind", DASH))),  # text columns: left-aligned by the stylesheet
+        _td(str(op) if op else DASH),
+        _td(str(node) if node else DASH),
         _td(_shape(e.get("shape"))),
-        _td(str(e.get("dtype", DASH)), "t"),
+        _td(str(e.get("dtype", DASH))),
         _td(_num(e.get("min"))),
         _td(_num(e.get("max"))),
         _td(_num(e.get("mean"))),
         _td(_num(e.get("std"))),
     ]
-    for method in METHODS:
+    if row.weight:
+        cells.append(_weight_cell(row.qparams["max"]))
+    for method in () if row.weight else METHODS:
         q = row.qparams[method]
         if q is None:
             cells.append(_td(DASH, "na", f"{method}: needs a histogram"))
             continue
-        lo, hi = q["range"]
-        title = f"{q['method']}: range [{_num(lo)}, {_num(hi)}], zero point {q['zero_point']}"
+        title = f"{q['method']}: {_range_text(q)}"
         if q.get("note"):
             title += f"; {q['note']}"
         fell_back = q["method"] != method
@@ -306,7 +429,7 @@ def _tensor_row(row: _Row, by_id: dict[str, dict] | None) -> str:
         else:
             for key in ("isolated_sqnr_db", "accumulated_sqnr_db"):
                 cells.append(_td(_db(layer.get(key)), _db_class(layer.get(key))))
-    cls = ' class="weight"' if e.get("kind") == "weight" else ""
+    cls = ' class="weight"' if row.weight else ""
     return f'<tr id="row-{row.index}"{cls}>' + "".join(cells) + "</tr>"
 
 
@@ -416,51 +539,72 @@ def _histogram_section(rows: list[_Row]) -> str:
     else:
         out.append(
             '<p class="note">Bar height is log10(count + 1) (a logarithmic count axis that keeps '
-            f"empty bins at zero); at most {MAX_BARS} bars, adjacent bins summed. Vertical "
-            "lines: each method's int8 symmetric clip range, both ends where the tensor has "
-            "negative values.</p>"
+            f"empty bins at zero), to the nearest 1/{LEVELS} of the tallest; at most {MAX_BARS} "
+            "bars, adjacent bins summed (the profile JSON holds every bin). Vertical lines: each "
+            "method's clip range on the target's grid, its lower end where the tensor has "
+            "negative values; a weight's widest channel range. Each figure's caption leads to "
+            "its row of the table, whose scales give each range and zero point.</p>\n"
+            '<p class="legend">'
+            + " ".join(f'<span class="m-{m}">{_e(_LABEL[m])}</span>' for m in METHODS)
+            + "</p>"
         )
         out += [_figure(r) for r in drawn]
     out.append("</section>")
     return "\n".join(out)
 
 
-def _downsample(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _downsample(counts: np.ndarray) -> tuple[np.ndarray, int]:
     """At most :data:`MAX_BARS` bars: groups of ``k`` adjacent bins summed (the last one may
-    hold fewer)."""
+    hold fewer); returns the bars and ``k``."""
     n = len(counts)
     k = max(1, -(-n // MAX_BARS))
     if k == 1:
-        return counts, edges
+        return counts, 1
     groups = -(-n // k)
     padded = np.zeros(groups * k, dtype=np.int64)
     padded[:n] = counts
-    starts = np.arange(groups) * k
-    return padded.reshape(groups, k).sum(axis=1), np.append(edges[starts], edges[n])
+    return padded.reshape(groups, k).sum(axis=1), k
 
 
-def _f(value: float) -> str:
-    """An SVG coordinate: one decimal, no negative zero."""
-    text = f"{value:.1f}"
-    return "0.0" if text == "-0.0" else text
+def _i(value: float) -> str:
+    """An SVG coordinate, to the nearest unit (of a figure 640 wide)."""
+    return str(round(value))
+
+
+def _g(value: float, digits: int = 4) -> str:
+    """A compact number for a path or transform: no exponent, no trailing zeros."""
+    text = f"{value:.{digits}f}".rstrip("0").rstrip(".")
+    return "0" if text in ("", "-0") else text
+
+
+def _bars_path(levels: np.ndarray, last: float) -> str:
+    """The bars as one filled step outline in bar units (``x``: bar index, ``y``: level), one
+    ``V``/``h`` pair per run of equal levels; the last bar is ``last`` wide."""
+    d = ["M0 0"]
+    values = levels.tolist()
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[i]:
+            j += 1
+        width = (j - i) + (last if j == len(values) - 1 else 1)
+        d.append(f"V{values[i]}h{_g(width)}")
+        i = j + 1
+    d.append("V0Z")
+    return "".join(d)
 
 
 def _figure(row: _Row) -> str:
     hist = row.stats.histogram
-    counts, edges = _downsample(hist.counts, hist.edges())
-    lo_data, hi_data = float(edges[0]), float(edges[-1])
+    bars, k = _downsample(hist.counts)
+    width = math.ldexp(k, hist.exponent)  # of a bar, in data units
+    lo_data = math.ldexp(hist.offset, hist.exponent)
+    hi_data = math.ldexp(hist.offset + len(hist.counts), hist.exponent)
     signed = row.stats.min is not None and row.stats.min < 0
 
-    # Each method's clip lines: the represented range's upper end, and its lower end if signed.
-    lines: list[tuple[str, float]] = []
-    for method in METHODS:
-        q = row.qparams[method]
-        if q is None:
-            continue
-        lo, hi = (float(v) for v in q["range"])
-        lines.append((method, hi))
-        if signed:
-            lines.append((method, lo))
+    # Each method's clip lines: the range's upper end, and its lower end if signed.
+    ranges = row.clip_ranges()
+    lines = [(m, v) for m, (lo, hi) in ranges.items() for v in ((lo, hi) if signed else (hi,))]
     x_lo = min([lo_data, *(v for _, v in lines)])
     x_hi = max([hi_data, *(v for _, v in lines)])
     if not x_hi > x_lo:
@@ -469,72 +613,38 @@ def _figure(row: _Row) -> str:
     ends = x_lo, x_hi  # labelled
     pad = (x_hi - x_lo) * 0.02
     x_lo, x_hi = x_lo - pad, x_hi + pad
+    per_unit = (_PLOT_X1 - _PLOT_X0) / (x_hi - x_lo)
 
     def x(v: float) -> float:
-        return _PLOT_X0 + (v - x_lo) / (x_hi - x_lo) * (_PLOT_X1 - _PLOT_X0)
+        return _PLOT_X0 + (v - x_lo) * per_unit
 
-    heights = np.log10(counts.astype(np.float64) + 1.0)
-    top = float(heights.max()) or 1.0
-
-    def y(h: float) -> float:
-        return _PLOT_Y1 - h / top * (_PLOT_Y1 - _PLOT_Y0)
-
-    # The bars as one filled step outline: small, and one element however many bars.
-    d = [f"M{_f(x(float(edges[0])))} {_f(_PLOT_Y1)}"]
-    for i, h in enumerate(heights.tolist()):
-        d.append(f"V{_f(y(h))}H{_f(x(float(edges[i + 1])))}")
-    d.append(f"V{_f(_PLOT_Y1)}Z")
-
+    heights = np.log10(bars.astype(np.float64) + 1.0)
+    levels = np.rint(heights / (float(heights.max()) or 1.0) * LEVELS).astype(np.int64)
+    last = (len(hist.counts) - (len(bars) - 1) * k) / k
+    # Bar units to the plot: x from the first edge, one bar ``width`` each; y up from the base.
+    transform = (
+        f"matrix({_g(width * per_unit)} 0 0 {_g(-(_PLOT_Y1 - _PLOT_Y0) / LEVELS)} "
+        f"{_g(x(lo_data), 2)} {_PLOT_Y1})"
+    )
     svg = [
-        f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
-        f'aria-label="{_e("histogram of " + row.pid)}">',
-        f"<title>{_e(row.pid)}: {len(counts)} bars from {len(hist.counts)} bins</title>",
-        f'<path class="bars" d="{"".join(d)}"/>',
+        f'<svg viewBox="0 0 {_W} {_H}" role="img" aria-label="{_e("histogram of " + row.pid)}">',
+        f'<path class="bars" transform="{transform}" d="{_bars_path(levels, last)}"/>',
         f'<path class="axis" d="M{_PLOT_X0} {_PLOT_Y0}V{_PLOT_Y1}H{_PLOT_X1}"/>',
     ]
+    span = f"{_PLOT_Y0}v{_PLOT_Y1 - _PLOT_Y0}"
     if x_lo < 0 < x_hi:
-        zx = _f(x(0.0))
-        svg.append(f'<line class="zero" x1="{zx}" y1="{_PLOT_Y0}" x2="{zx}" y2="{_PLOT_Y1}"/>')
-    for method, v in lines:
-        colour, dash = _STYLE[method]
-        vx = _f(x(v))
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        svg.append(
-            f'<line class="clip m-{method}" data-method="{method}" x1="{vx}" y1="{_PLOT_Y0}" '
-            f'x2="{vx}" y2="{_PLOT_Y1}" stroke="{colour}"{dash_attr}/>'
-        )
+        svg.append(f'<path class="zero" d="M{_i(x(0.0))} {span}"/>')
+    for method in ranges:
+        d = "".join(f"M{_i(x(v))} {span}" for m, v in lines if m == method)
+        svg.append(f'<path class="clip m-{method}" d="{d}"/>')
     # Axis labels: x at both ends of what is drawn (and 0), y the top's count.
     ty = _PLOT_Y1 + 14
-    for v, anchor in zip(ends, ("start", "end"), strict=True):
-        svg.append(f'<text x="{_f(x(v))}" y="{ty}" text-anchor="{anchor}">{_e(_num(v, 4))}</text>')
+    for v, anchor in zip(ends, ("s", "e"), strict=True):
+        svg.append(f'<text class="{anchor}" x="{_i(x(v))}" y="{ty}">{_e(_num(v, 4))}</text>')
     if x_lo < 0 < x_hi and min(x(0.0) - _PLOT_X0, _PLOT_X1 - x(0.0)) > 40:
-        svg.append(f'<text x="{_f(x(0.0))}" y="{ty}" text-anchor="middle">0</text>')
-    peak = int(counts.max())
-    svg.append(
-        f'<text x="{_PLOT_X0 - 4}" y="{_PLOT_Y0 + 4}" text-anchor="end">{_e(_num(peak))}</text>'
-    )
-    svg.append(f'<text x="{_PLOT_X0 - 4}" y="{_PLOT_Y1}" text-anchor="end">0</text>')
-    svg.append(
-        f'<text x="{_PLOT_X0}" y="{_H - 4}" text-anchor="start">count axis: log10(count + 1)</text>'
-    )
-    # Legend: colour, method and clip threshold.
-    for i, method in enumerate(METHODS):
-        colour, dash = _STYLE[method]
-        ly = _PLOT_Y0 + 8 + 20 * i
-        q = row.qparams[method]
-        if q is None:
-            label = f"{_LABEL[method]}: {DASH}"
-        else:
-            lo, hi = (float(v) for v in q["range"])
-            label = f"{_LABEL[method]}: \u00b1{_num(max(-lo, hi), 4)}"
-            if q["method"] != method:
-                label += f" ({q['method']})"
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        svg.append(
-            f'<line class="legend m-{method}" x1="{_LEGEND_X}" y1="{ly}" x2="{_LEGEND_X + 24}" '
-            f'y2="{ly}" stroke="{colour}" stroke-width="2"{dash_attr}/>'
-        )
-        svg.append(f'<text x="{_LEGEND_X + 30}" y="{ly + 4}">{_e(label)}</text>')
+        svg.append(f'<text class="m" x="{_i(x(0.0))}" y="{ty}">0</text>')
+    peak = _e(_num(int(bars.max())))
+    svg.append(f'<text class="e" x="{_PLOT_X0 - 4}" y="{_PLOT_Y0 + 4}">{peak}</text>')
     svg.append("</svg>")
 
     e = row.entry

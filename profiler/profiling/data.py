@@ -4,7 +4,8 @@ Sources (the ``--data`` value)
     ``FILE.npz``
         One array per model input, each ``[N, *sample_shape]`` where ``sample_shape`` is the
         input's shape without its batch dim. Without keys, the arrays named like the model's
-        inputs are used; a single-input model also takes the file's only array.
+        inputs are used; arrays named otherwise are refused, naming the arrays and the inputs
+        (a single array is not guessed to be a single input's: ``FILE.npz:KEY`` says so).
     ``FILE.npz:KEY`` / ``FILE.npz:KEY1,KEY2``
         The named arrays, one per model input in input order.
     ``FILE.npy``
@@ -25,10 +26,22 @@ Per-sample and constant inputs
     state tensors, masks or lengths a model takes once per run. The sample count comes from the
     per-sample inputs; when every input is constant the data is one run.
 
+Checks (before any work: :meth:`CalibrationData.verify` reads a file's samples through once,
+a few MB at a time; an iterable's batches are checked as they arrive, before they run)
+    * Data must fit its input's kind: floats for a float input (float64 -> float32 casts),
+      integers for an integer input (int32 -> int64 casts; so does bool), bools for a bool
+      input. Integers for a float input or floats for an integer one are refused, naming the
+      array's dtype and the input's, unless ``cast`` (``--cast``) converts them.
+    * NaN and infinity in data for a float input are refused, naming the array and its first
+      such sample, unless ``allow_nonfinite`` (``--allow-nonfinite``) lets them through: the
+      profile then counts them per tensor (``nan_count``, ``inf_count``). A finite value past
+      the input dtype's range (float64 1e39 for float32) counts as infinity. Integer inputs
+      never take NaN or infinity, cast or not.
+    * Refusals of what the data holds are :class:`DataContentError`: the service answers them
+      with 422, other problems of a data source with 400.
+
 Choices
     * Pickles are never loaded: arrays of Python objects are rejected.
-    * Data casts to the input's dtype only within its kind or up (float64 -> float32 and
-      int -> float do, float -> int does not).
     * ``samples`` takes the first samples of the source; more than it holds is clamped, and
       ``num_samples`` says how many there are.
     * ``batches()`` yields full batches and, when the batch size does not divide the sample
@@ -69,6 +82,22 @@ Channels = Literal["RGB", "BGR", "L"]
 
 # What reading a broken .npy header or a broken zip member can raise.
 _READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+_SCAN_BYTES = 8 << 20  # read at a time by CalibrationData.verify
+# dtype kinds and the kinds of data that fit them without a cast
+_FITS = {"f": "f", "i": "iub", "u": "iub", "b": "b"}
+
+
+class DataContentError(CalibrationDataError):
+    """Data refused for what it holds (NaN or infinity, a dtype that does not fit its input,
+    arrays not named like the inputs), not for how it is stored."""
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What the data checks let through (see "Checks" in the module docstring)."""
+
+    allow_nonfinite: bool = False
+    cast: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +234,8 @@ class CalibrationData:
     readers: dict[str, Reader] = field(repr=False)  # by input name, in input order
     # The model's value inputs (rangeprof.profiler.ir.onnx_load): bound, not fed.
     value_inputs: tuple[str, ...] = ()
+    checked: tuple[str, ...] = ()  # inputs whose data the checks may refuse (files, arrays)
+    scan_batch: int = 1  # samples per read of verify()
 
     @property
     def num_batches(self) -> int:
@@ -213,6 +244,13 @@ class CalibrationData:
     def bound_values(self) -> dict[str, np.ndarray]:
         """The value inputs' arrays, which the model is loaded with."""
         return {name: next(self.readers[name](1, 1)) for name in self.value_inputs}
+
+    def verify(self) -> None:
+        """Reads the samples of the checked inputs through once, a few MB at a time, so that
+        data the checks refuse fails before any work (a compile, a stored run)."""
+        for name in self.checked:
+            for _ in self.readers[name](self.num_samples, self.scan_batch):
+                pass
 
     def batches(self) -> Iterator[dict[str, np.ndarray]]:
         """One ``{input name: array}`` per batch; arrays are C-contiguous, of the input's dtype,
@@ -230,11 +268,16 @@ def open_data(
     samples: int | None = None,
     seed: int = 0,
     preprocess: Preprocess | None = None,
+    allow_nonfinite: bool = False,
+    cast: bool = False,
 ) -> CalibrationData:
-    """Open the calibration source ``spec`` (see the module docstring) for a model's inputs."""
+    """Open the calibration source ``spec`` (see the module docstring) for a model's inputs;
+    :meth:`CalibrationData.verify` checks the samples before any work."""
     _check_counts(batch_size, samples)
     if seed < 0:
         raise CalibrationDataError(f"seed {seed} is negative")
+    checks = Checks(allow_nonfinite, cast)
+    checked = False  # generated data and images hold nothing the checks refuse
     if spec == RANDOM:
         _no_preprocess(spec, preprocess)
         available, readers = samples or RANDOM_SAMPLES, _random(inputs, seed)
@@ -243,13 +286,15 @@ def open_data(
         if not path.exists():
             raise CalibrationDataError(f"{path}: no such file or folder")
         if path.is_dir() and keys is None:
-            available, readers = _images(path, inputs, preprocess or Preprocess())
+            available, readers = _images(path, inputs, preprocess or Preprocess(), checks)
         elif path.suffix.lower() == ".npz":
             _no_preprocess(spec, preprocess)
-            available, readers = _npz(path, keys, inputs)
+            available, readers = _npz(path, keys, inputs, checks)
+            checked = True
         elif path.suffix.lower() == ".npy":
             _no_preprocess(spec, preprocess)
-            available, readers = _npy(path, inputs)
+            available, readers = _npy(path, inputs, checks)
+            checked = True
         else:
             raise CalibrationDataError(
                 f"{path}: unknown data source; expected an .npz or .npy file, a folder of "
@@ -258,7 +303,16 @@ def open_data(
     if all(inp.constant for inp in inputs):
         available, batch_size = 1, 1  # one run of the constant arrays
     count = available if samples is None else min(samples, available)
-    return CalibrationData(count, batch_size, readers)
+    names = tuple(readers) if checked else ()
+    return CalibrationData(count, batch_size, readers, checked=names, scan_batch=_scan(inputs))
+
+
+def _scan(inputs: Sequence[InputSpec]) -> int:
+    """Samples per read of :meth:`CalibrationData.verify`: a few MB of the largest input."""
+    largest = max(
+        (np.dtype(i.dtype).itemsize * math.prod(i.sample_shape) for i in inputs), default=1
+    )
+    return max(1, _SCAN_BYTES // max(1, largest))
 
 
 def open_arrays(
@@ -267,8 +321,11 @@ def open_arrays(
     *,
     batch_size: int = 1,
     samples: int | None = None,
+    allow_nonfinite: bool = False,
+    cast: bool = False,
 ) -> CalibrationData | StreamedData:
-    """Calibration data the caller holds in memory (the Python API's ``data``).
+    """Calibration data the caller holds in memory (the Python API's ``data``), checked as
+    files are (see "Checks" in the module docstring).
 
     ``source`` is ``{input name: array [N, *sample_shape]}``, the one array of a single-input
     model, or an iterable of such batches, of any sizes (a PyTorch ``DataLoader``: anything
@@ -282,22 +339,25 @@ def open_arrays(
             f"inputs {whole} are fed whole in every run: give the data as an .npz file"
         )
     _check_counts(batch_size, samples)
+    checks = Checks(allow_nonfinite, cast)
     if isinstance(source, Mapping | np.ndarray):
         arrays = _named(source, fed, "the data")
         counts = {_check_array(f"array {i.name!r}", arrays[i.name].shape,
-                               arrays[i.name].dtype, i) for i in fed}  # fmt: skip
+                               arrays[i.name].dtype, i, checks) for i in fed}  # fmt: skip
         if len(counts) != 1:
             raise CalibrationDataError(f"the arrays hold different sample counts: {sorted(counts)}")
         (available,) = counts
-        readers = {i.name: _array_reader(arrays[i.name], i) for i in fed}
+        readers = {i.name: _array_reader(arrays[i.name], i, checks) for i in fed}
         count = available if samples is None else min(samples, available)
-        return CalibrationData(count, batch_size, readers)
+        return CalibrationData(
+            count, batch_size, readers, checked=tuple(readers), scan_batch=_scan(fed)
+        )
     if not isinstance(source, Iterable) or isinstance(source, str | bytes):
         raise CalibrationDataError(
             f"data of type {type(source).__name__}: give a dict of arrays, an array, an "
             "iterable of batches, or a file"
         )
-    return StreamedData(source, tuple(fed), batch_size, samples)
+    return StreamedData(source, tuple(fed), batch_size, samples, checks=checks)
 
 
 @dataclass(frozen=True)
@@ -310,21 +370,29 @@ class StreamedData:
     limit: int | None  # samples to read at most
     value_inputs: tuple[str, ...] = ()
     num_samples: None = None  # unknown until read
+    checks: Checks = Checks()
 
     def bound_values(self) -> dict[str, np.ndarray]:
         return {}
 
+    def verify(self) -> None:
+        """Nothing to read ahead: each batch is checked as it arrives, before it runs."""
+
     def batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """``batch_size`` samples at a time (the last batch may have fewer), checked and cast
-        to the inputs' dtypes; at most ``limit`` in all."""
+        """``batch_size`` samples at a time (the last batch may have fewer), each source batch
+        checked and cast to the inputs' dtypes as it arrives; at most ``limit`` in all."""
         held: list[dict[str, np.ndarray]] = []
         count = sent = 0
         for k, item in enumerate(self.source):
             arrays = _named(item, self.inputs, f"batch {k}")
             rows = {_check_array(f"batch {k}, input {i.name!r}", arrays[i.name].shape,
-                                 arrays[i.name].dtype, i) for i in self.inputs}  # fmt: skip
+                                 arrays[i.name].dtype, i, self.checks)
+                    for i in self.inputs}  # fmt: skip
             if len(rows) != 1:
                 raise CalibrationDataError(f"batch {k}: inputs of different sample counts")
+            arrays = {
+                i.name: _fed(arrays[i.name], i, f"batch {k}", 0, self.checks) for i in self.inputs
+            }
             held.append(arrays)
             count += rows.pop()
             while count >= self.batch_size:
@@ -382,10 +450,10 @@ def _first(batch: dict[str, np.ndarray], count: int, inputs) -> dict[str, np.nda
     return {i.name: batch[i.name][:count] for i in inputs}
 
 
-def _array_reader(array: np.ndarray, inp: InputSpec) -> Reader:
+def _array_reader(array: np.ndarray, inp: InputSpec, checks: Checks) -> Reader:
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         for start, stop in _spans(count, batch_size):
-            yield _cast(array[start:stop], inp)
+            yield _fed(array[start:stop], inp, f"array {inp.name!r}", start, checks)
 
     return read
 
@@ -419,22 +487,56 @@ def _spans(count: int, batch_size: int) -> Iterator[tuple[int, int]]:
 
 
 def _cast(batch: np.ndarray, inp: InputSpec) -> np.ndarray:
-    # np.array copies, so no batch keeps a memory map or a read buffer alive.
-    return np.array(batch, dtype=inp.dtype, order="C")
+    # np.array copies, so no batch keeps a memory map or a read buffer alive. Values a cast
+    # makes infinite or invalid are what _fed checks.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.array(batch, dtype=inp.dtype, order="C")
 
 
-def _check_dtype(what: str, dtype: np.dtype, inp: InputSpec) -> None:
+def _fed(raw: np.ndarray, inp: InputSpec, what: str, first: int, checks: Checks) -> np.ndarray:
+    """``raw`` (samples ``first``, ``first + 1``, ... of ``what``) cast to the input's dtype,
+    refused if it holds what the checks do not let through (see the module docstring)."""
+    fed = _cast(raw, inp)
+    to_float = fed.dtype.kind == "f"
+    if raw.dtype.kind != "f" or (to_float and checks.allow_nonfinite):
+        return fed
+    values = fed if to_float else raw  # an integer input's data is checked before the cast
+    rows = values.reshape(1 if inp.constant or not values.ndim else len(values), -1)
+    finite = np.isfinite(rows)
+    if finite.all():
+        return fed
+    row = int(np.argmin(finite.all(axis=1)))
+    col = int(np.argmin(finite[row]))
+    value = float(raw.reshape(rows.shape)[row, col])
+    held = "NaN" if math.isnan(value) else f"{value:g}"
+    if math.isfinite(value):
+        held += f", past the range of {inp.dtype}"
+    where = f"{what}: " if inp.constant else f"{what}: sample {first + row} "
+    if not to_float:
+        raise DataContentError(
+            f"{where}holds {held}, which integer input {inp.name!r} ({inp.dtype}) cannot take"
+        )
+    raise DataContentError(
+        f"{where}holds {held} (input {inp.name!r}); pass --allow-nonfinite to profile it anyway"
+    )
+
+
+def _check_dtype(what: str, dtype: np.dtype, inp: InputSpec, checks: Checks) -> None:
     if dtype.hasobject:
         raise CalibrationDataError(f"{what}: Python objects (pickled data) are never loaded")
-    if not np.can_cast(dtype, inp.dtype, "same_kind"):
-        raise CalibrationDataError(
-            f"{what}: dtype {dtype} does not cast safely to input {inp.name!r} ({inp.dtype})"
-        )
+    want = np.dtype(inp.dtype)
+    numbers = dtype.kind in _FITS and want.kind in _FITS
+    if dtype.kind in _FITS.get(want.kind, want.kind) or (numbers and checks.cast):
+        return
+    hint = ": pass --cast to convert" if numbers else ""
+    raise DataContentError(f"{what}: holds {dtype}, input {inp.name!r} is {want}{hint}")
 
 
-def _check_array(what: str, shape: tuple[int, ...], dtype: np.dtype, inp: InputSpec) -> int | None:
+def _check_array(
+    what: str, shape: tuple[int, ...], dtype: np.dtype, inp: InputSpec, checks: Checks
+) -> int | None:
     """Check an array against an input; return its sample count (None for a constant)."""
-    _check_dtype(what, dtype, inp)
+    _check_dtype(what, dtype, inp, checks)
     expected = inp.sample_shape
     if inp.constant:
         if shape != expected:
@@ -488,7 +590,7 @@ def _only_input(source: str, inputs: Sequence[InputSpec]) -> InputSpec:
     return inputs[0]
 
 
-def _npy(path: Path, inputs: Sequence[InputSpec]) -> tuple[int, dict[str, Reader]]:
+def _npy(path: Path, inputs: Sequence[InputSpec], checks: Checks) -> tuple[int, dict[str, Reader]]:
     inp = _only_input(str(path), inputs)
     # The header first, to reject object arrays and non-.npy files with a clear message.
     try:
@@ -496,18 +598,18 @@ def _npy(path: Path, inputs: Sequence[InputSpec]) -> tuple[int, dict[str, Reader
             shape, _, dtype = _read_header(f, str(path))
     except OSError as err:
         raise CalibrationDataError(f"{path}: cannot read the file: {err.strerror}") from err
-    count = _check_array(str(path), shape, dtype, inp)
+    count = _check_array(str(path), shape, dtype, inp, checks)
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except _READ_ERRORS as err:  # say, data shorter than the header promises
         raise CalibrationDataError(f"{path}: not a valid .npy array: {_line(err)}") from err
 
     if inp.constant:
-        return 1, {inp.name: _constant_reader(lambda: _cast(array, inp))}
+        return 1, {inp.name: _constant_reader(lambda: _fed(array, inp, str(path), 0, checks))}
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         for start, stop in _spans(count, batch_size):
-            yield _cast(array[start:stop], inp)
+            yield _fed(array[start:stop], inp, str(path), start, checks)
 
     return count, {inp.name: read}
 
@@ -530,7 +632,7 @@ def _constant_reader(load: Callable[[], np.ndarray]) -> Reader:
 
 
 def _npz(
-    path: Path, keys: list[str] | None, inputs: Sequence[InputSpec]
+    path: Path, keys: list[str] | None, inputs: Sequence[InputSpec], checks: Checks
 ) -> tuple[int, dict[str, Reader]]:
     try:
         with zipfile.ZipFile(path) as archive:
@@ -547,13 +649,13 @@ def _npz(
     counts, readers = [], {}
     for key, inp, (shape, fortran, dtype) in zip(chosen, inputs, headers, strict=True):
         what = f"array {key!r} in {path}"
-        counts.append(_check_array(what, shape, dtype, inp))
+        counts.append(_check_array(what, shape, dtype, inp, checks))
         if fortran:
             raise CalibrationDataError(
                 f"{what}: stored in Fortran order, which cannot be read batch by batch; save "
                 "np.ascontiguousarray(array) instead"
             )
-        readers[inp.name] = _npz_reader(path, members[key], what, dtype, inp)
+        readers[inp.name] = _npz_reader(path, members[key], what, dtype, inp, checks)
     sizes = {k: n for k, n in zip(chosen, counts, strict=True) if n is not None}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k!r}: {n}" for k, n in sizes.items())
@@ -583,20 +685,26 @@ def _choose_keys(
         return keys
     if set(names) <= set(available):
         return names
-    if len(inputs) == 1 and len(available) == 1:
-        return available
     if len(inputs) == 1:
-        raise CalibrationDataError(f"{path}: holds arrays {listed}; choose one with {path}:KEY")
-    raise CalibrationDataError(
+        # Even a single array is not guessed to be the input's: its name says otherwise.
+        raise DataContentError(
+            f"{path}: holds arrays {listed}, none named like the model's input {names[0]!r}; "
+            f"choose one with {path}:KEY"
+        )
+    raise DataContentError(
         f"{path}: holds arrays {listed}, not all named like the model's inputs "
         f"({', '.join(map(repr, names))}); choose them in input order with {path}:KEY1,KEY2,..."
     )
 
 
-def _npz_reader(path: Path, member: str, what: str, dtype: np.dtype, inp: InputSpec) -> Reader:
+def _npz_reader(
+    path: Path, member: str, what: str, dtype: np.dtype, inp: InputSpec, checks: Checks
+) -> Reader:
     sample_bytes = dtype.itemsize * math.prod(inp.sample_shape)
     if inp.constant:
-        return _whole(_npz_reader(path, member, what, dtype, inp.as_one_sample()))
+        return _whole(_npz_reader(path, member, what, dtype, inp.as_one_sample(), checks))
+    # Refusals name the array as --data does (FILE.npz:KEY).
+    spec = f"{path}:{member.removesuffix('.npy')}"
 
     def read(count: int, batch_size: int) -> Iterator[np.ndarray]:
         with zipfile.ZipFile(path) as archive, archive.open(member) as f:
@@ -611,7 +719,7 @@ def _npz_reader(path: Path, member: str, what: str, dtype: np.dtype, inp: InputS
                         f"{what}: truncated, samples from {start} on are missing"
                     )
                 batch = np.frombuffer(data, dtype).reshape(stop - start, *inp.sample_shape)
-                yield _cast(batch, inp)
+                yield _fed(batch, inp, spec, start, checks)
 
     return read
 
@@ -648,7 +756,7 @@ def _random_reader(inp: InputSpec, kind: str, seed: np.random.SeedSequence) -> R
 
 
 def _images(
-    folder: Path, inputs: Sequence[InputSpec], preprocess: Preprocess
+    folder: Path, inputs: Sequence[InputSpec], preprocess: Preprocess, checks: Checks
 ) -> tuple[int, dict[str, Reader]]:
     inp = _only_input(str(folder), inputs)
     what = f"images in {folder}"
@@ -663,7 +771,7 @@ def _images(
             f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) in the folder"
         )
     height, width, channels = _image_format(what, preprocess, inp)
-    _check_dtype(what, np.dtype(np.float32), inp)
+    _check_dtype(what, np.dtype(np.float32), inp, checks)
     for path in files:  # fail now rather than hours into profiling: headers are cheap to read
         _open_image(path).close()
     mean, std = (np.asarray(v, dtype=np.float32) for v in (preprocess.mean, preprocess.std))

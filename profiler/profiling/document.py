@@ -7,8 +7,16 @@ statistics of :class:`~rangeprof.profiler.profiling.statistics.TensorStats` incl
 moments and the exact-merge histogram encoding. The ``tensors`` section is deterministic: the same
 data in any sharding gives the same bytes (:func:`tensors_bytes`).
 
-Versions: 1.1 added per-channel means (``per_channel.mean``, ``count`` and exact ``sum``) of
-activations profiled with channel statistics; 1.0 profiles, which have none, still load."""
+Non-finite values: every entry counts its NaN and infinite values (``nan_count``, ``inf_count``;
+they stay out of min, max, moments and histograms). An activation that holds some while the data
+fed held none overflowed inside the model: its entry says ``overflow: true``
+(:func:`nonfinite_summary` words what the CLI prints). With non-finite data (``allow_nonfinite``)
+they propagate, and no entry is flagged.
+
+Versions: 1.2 added ``graph_outputs`` (the graph outputs whose value an entry is) and
+``overflow`` on tensor entries, and the data checks' options; 1.1 added per-channel means
+(``per_channel.mean``, ``count`` and exact ``sum``) of activations profiled with channel
+statistics; 1.0 and 1.1 profiles, which lack them, still load."""
 
 from __future__ import annotations
 
@@ -28,8 +36,8 @@ if TYPE_CHECKING:  # the IR's modules import TVM: reading a profile needs neithe
     from rangeprof.profiler.ir.onnx_load import ModelFacts
     from rangeprof.profiler.ir.tagging import LayerRecord
 
-SCHEMA_VERSION = "1.1"
-READABLE_VERSIONS = ("1.0", SCHEMA_VERSION)  # a minor version only adds optional fields
+SCHEMA_VERSION = "1.2"
+READABLE_VERSIONS = ("1.0", "1.1", SCHEMA_VERSION)  # a minor version only adds optional fields
 
 
 class ProfileError(RangeprofError):
@@ -50,9 +58,14 @@ def build_document(
     static_ids: set[str],
     run: dict,
     transforms: tuple[str, ...] = (),
+    graph_outputs: dict[str, str] | None = None,
 ) -> dict:
     """The profile document for one model, in layer order; ``stages`` are stage reports;
-    ``transforms`` the passes that changed the model's weights before it was profiled."""
+    ``transforms`` the passes that changed the model's weights before it was profiled;
+    ``graph_outputs`` the profileID whose value each graph output is."""
+    outputs: dict[str, list[str]] = {}
+    for name, profile_id in (graph_outputs or {}).items():
+        outputs.setdefault(profile_id, []).append(name)
     tensors = []
     for layer in layers:
         record = stats.get(layer.profile_id)
@@ -69,9 +82,15 @@ def build_document(
                 "shape": layer.shape,
                 "dtype": layer.dtype,
                 "static": layer.profile_id in static_ids,
+                **(
+                    {"graph_outputs": outputs[layer.profile_id]}
+                    if layer.profile_id in outputs
+                    else {}
+                ),
                 **record.to_json(),
             }
         )
+    _flag_overflow(tensors)
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {
@@ -90,6 +109,50 @@ def build_document(
         "tensors": tensors,
         "lineage": {"fates": dict(sorted(fates.items())), "stages": stages},
     }
+
+
+def _nonfinite(entry: dict) -> int:
+    return entry["nan_count"] + entry["inf_count"]
+
+
+def _flag_overflow(tensors: list[dict]) -> None:
+    """Sets ``overflow`` on the activations holding NaN or infinity when the data fed held
+    none (a function of the counts alone: a merge of shards flags as one pass does)."""
+    fed = any(_nonfinite(t) for t in tensors if t["kind"] == "input")
+    for entry in tensors:
+        entry.pop("overflow", None)
+        if not fed and entry["kind"] == "activation" and _nonfinite(entry):
+            entry["overflow"] = True
+
+
+def nonfinite_summary(doc: dict, limit: int = 5) -> list[str]:
+    """One line each on NaN and infinite values in a profile: tensors that overflowed inside
+    the model (a warning), or, with non-finite data, the tensors holding some; with counts."""
+
+    def listed(entries: list[dict]) -> str:
+        parts = []
+        for entry in entries[:limit]:
+            kinds = (("nan_count", "NaN"), ("inf_count", "inf"))
+            counts = ", ".join(f"{entry[k]} {word}" for k, word in kinds if entry[k])
+            parts.append(f"{entry['profile_id']} ({counts})")
+        more = f", and {len(entries) - limit} more" if len(entries) > limit else ""
+        return ", ".join(parts) + more
+
+    lines = []
+    overflowed = [t for t in doc["tensors"] if t.get("overflow")]
+    if overflowed:
+        lines.append(
+            f"warning: {len(overflowed)} tensor(s) overflowed to NaN or inf inside the model: "
+            + listed(overflowed)
+        )
+    data = [t for t in doc["tensors"] if t["kind"] == "input" and _nonfinite(t)]
+    if data:
+        holding = [t for t in doc["tensors"] if _nonfinite(t)]
+        lines.append(
+            f"non-finite data profiled: {len(holding)} tensor(s) hold NaN or inf: "
+            + listed(holding)
+        )
+    return lines
 
 
 def _listed(arrays: dict) -> dict:
@@ -172,10 +235,11 @@ def merge_profiles(first: dict, second: dict) -> dict:
     for entry in first["tensors"]:
         other = theirs[entry["profile_id"]]
         if entry["static"]:
-            tensors.append(entry)
+            tensors.append(dict(entry))  # a copy: flagging below must not change ``first``
             continue
         merged = TensorStats.from_json(entry).merge(TensorStats.from_json(other))
         tensors.append({**entry, **merged.to_json()})
+    _flag_overflow(tensors)
     run = dict(first["run"])
     run["samples"] = first["run"]["samples"] + second["run"]["samples"]
     run["batches"] = first["run"]["batches"] + second["run"]["batches"]

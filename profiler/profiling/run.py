@@ -60,6 +60,10 @@ class ProfileOptions:
     # NCHW / NCW tensors, the last of 2-D ones): what bias correction from stored statistics
     # reads. Opt-in: each observed tensor's kernel then keeps per-channel sums as well.
     channel_stats: bool = False
+    # Data checks (rangeprof.profiler.profiling.data, "Checks"): profile NaN and infinity in the
+    # data rather than refuse them; cast data of another kind of dtype to its input's.
+    allow_nonfinite: bool = False
+    cast: bool = False
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -79,6 +83,7 @@ class _Prepared:
     layers: list[LayerRecord]
     stages: list[dict]  # stage reports as JSON
     cached: bool
+    graph_outputs: dict[str, str]  # graph output name -> profileID of the value it is
 
 
 def _file_digest(path: Path) -> str | None:
@@ -165,7 +170,7 @@ class _Builder:
             vm, model.program_inputs, observed, static, self.bins or 0, self.channel_stats
         )
         layers = [LayerRecord(**layer) for layer in side["layers"]]
-        return _Prepared(model, program, layers, side["stages"], cached=True)
+        return _Prepared(model, program, layers, side["stages"], True, side["graph_outputs"])
 
     def _build(self, loaded: LoadedModel, key: str | None) -> _Prepared:
         tracked = track(loaded, equalize=self.equalize)
@@ -180,6 +185,7 @@ class _Builder:
         )
         program.static.update(_weight_stats(imported, self.bins))
         model = replace(loaded.facts, fates=imported.fates)
+        outputs = graph_outputs(loaded, imported)
         if key is not None:
             sidecar = {
                 "model": model.to_json(),
@@ -187,9 +193,32 @@ class _Builder:
                 "static": {k: v.to_json() for k, v in program.static.items()},
                 "layers": [layer.to_json() for layer in imported.layers],
                 "stages": stages,
+                "graph_outputs": outputs,
             }
             self.cache.store_sidecar(key, sidecar)
-        return _Prepared(model, program, imported.layers, stages, cached=False)
+        return _Prepared(model, program, imported.layers, stages, False, outputs)
+
+
+def graph_outputs(loaded: LoadedModel, imported: ImportedModel) -> dict[str, str]:
+    """The profileID whose value each graph output is.
+
+    A binding holds one ONNX tensor's name (``source_tensor``), that of the node that made it.
+    A graph output that only renames an existing value — ppocr_cls's ``Identity`` after its
+    softmax, Identity-like nodes that the importer turns into no binding — is that value,
+    profiled under the binding of the tensor it renames: only its node's fate
+    (``aliases:<id>``) leads there. Outputs that are constants (folded) have no entry."""
+    graph = loaded.model.graph
+    by_tensor = {r.source_tensor: r.profile_id for r in imported.layers if r.source_tensor}
+    producer = {name: node.name for node in graph.node for name in node.output}
+    found = {}
+    for output in graph.output:
+        profile_id = by_tensor.get(output.name)
+        fate = imported.fates.get(producer.get(output.name, ""), "")
+        if profile_id is None and fate.startswith("aliases:"):
+            profile_id = fate.removeprefix("aliases:")
+        if profile_id is not None:
+            found[output.name] = profile_id
+    return found
 
 
 def _builder(path: str | Path, options: ProfileOptions, cache: BuildCache | None) -> _Builder:
@@ -382,7 +411,15 @@ class ModelProfiler:
         static_ids = set(self.programs.get(self.batch_size).static)
         transforms = (EQUALIZATION,) if options.equalize else ()
         return build_document(
-            model, layers, model.fates, self.prepared.stages, stats, static_ids, run, transforms
+            model,
+            layers,
+            model.fates,
+            self.prepared.stages,
+            stats,
+            static_ids,
+            run,
+            transforms,
+            self.prepared.graph_outputs,
         )
 
 
@@ -394,20 +431,26 @@ Data = str | Mapping[str, np.ndarray] | np.ndarray | Iterable
 def _open(
     model: ModelFacts, data: Data, options: ProfileOptions, preprocess: Preprocess | None
 ) -> CalibrationData | StreamedData:
+    """The data for the model, checked through before any work (``verify``)."""
     constant = frozenset(options.constant_inputs)
     inputs = model_inputs(model, constant)
     batch_size = _batch_of(model, constant)
+    checks = {"allow_nonfinite": options.allow_nonfinite, "cast": options.cast}
     if not isinstance(data, str):
-        return open_arrays(data, inputs, batch_size=batch_size, samples=options.samples)
-    source = open_data(
-        data,
-        inputs,
-        batch_size=batch_size,
-        samples=options.samples,
-        seed=options.seed,
-        preprocess=preprocess,
-    )
-    return replace(source, value_inputs=model.value_inputs)
+        source = open_arrays(data, inputs, batch_size=batch_size, samples=options.samples, **checks)
+    else:
+        source = open_data(
+            data,
+            inputs,
+            batch_size=batch_size,
+            samples=options.samples,
+            seed=options.seed,
+            preprocess=preprocess,
+            **checks,
+        )
+        source = replace(source, value_inputs=model.value_inputs)
+    source.verify()
+    return source
 
 
 def open_calibration(
@@ -420,8 +463,8 @@ def open_calibration(
     cache: BuildCache | None = None,
 ) -> CalibrationData:
     """The calibration data a profiling run of the model reads, checked against its inputs and
-    in its batches, without compiling anything (the model's facts come from the build cache, or
-    from loading it)."""
+    read through (the data checks), in its batches, without compiling anything (the model's
+    facts come from the build cache, or from loading it)."""
     builder = _builder(path, options, cache)
     return _open(builder.request(input_shapes, options.batch_size).model, data, options, preprocess)
 

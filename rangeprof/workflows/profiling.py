@@ -48,6 +48,8 @@ def profile(request: ProfileRequest, progress: Progress | None = None, arrays=No
         constant_inputs=request.constant_inputs,
         equalize=request.equalize,
         channel_stats=request.channel_stats,
+        allow_nonfinite=request.allow_nonfinite,
+        cast=request.cast,
     )
     preprocess = parse_preprocess(request.preprocess) if request.preprocess else None
     execute = profile_model

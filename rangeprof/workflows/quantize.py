@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from rangeprof.profiler.errors import RangeprofError
 
@@ -16,6 +17,24 @@ from .options import EVERY_METHOD, STORED, CalibrationOptions
 from .requests import BuildRequest, EvaluateRequest, QuantizeRequest
 
 Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the Python API holds in memory in place of a request's files: the evaluation
+    ``data``, its ``labels`` and the ``calibration_data`` as arrays (``None``: the request's
+    file), and a ``metric(outputs, labels)`` of the evaluation and its budget."""
+
+    data: Any = None
+    labels: Any = None
+    calibration_data: Any = None
+    metric: Callable | None = None
+
+
+def _evaluation_data(request: QuantizeRequest, held: Held):
+    """The evaluation data and labels: those held, else the request's files."""
+    labels = read_labels(request.labels) if held.labels is None else held.labels
+    return (request.data if held.data is None else held.data), labels
 
 
 def read_labels(spec: str | None):
@@ -124,6 +143,7 @@ def _bias_corrections(
     profile: dict | None,
     progress: Progress | None,
     compiled: dict | None = None,
+    held: Held = Held(),
 ):
     """The bias corrections of ``measured``, derived from the profile's means (``stored``) or
     measured on the request's calibration data, and the record a manifest or report keeps of
@@ -134,15 +154,15 @@ def _bias_corrections(
         corrections, skipped = derive(measured, profile)
         record = {"mode": STORED, "regions": len(corrections)}
         return corrections, record | ({"skipped": skipped} if skipped else {})
-    data = request.calibration_data
+    data = request.calibration_data if held.calibration_data is None else held.calibration_data
     corrections = measure(measured, data, progress=progress, compiled=compiled)
-    record = {"mode": "empirical", "data": data, "regions": len(corrections)}
+    record = {"mode": "empirical", "data": request.calibration_data, "regions": len(corrections)}
     return corrections, record
 
 
-def build(request: BuildRequest, progress: Progress | None = None) -> dict:
+def build(request: BuildRequest, progress: Progress | None = None, held: Held = Held()) -> dict:
     """Quantize and compile the model for ``request.target``; write ``model.so`` and
-    ``manifest.json`` into ``request.out``; return the manifest."""
+    ``manifest.json`` into ``request.out``; return the manifest. ``held``: data in memory."""
     from rangeprof.byoc.artifact import build_artifact
     from rangeprof.byoc.bias_correction import corrected
     from rangeprof.byoc.evaluate import fit_budget
@@ -157,28 +177,34 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     measured = _host(plugin, request, qm, qparams)
     compiled: dict = {}  # the FP32 program serves bias correction and the budget
     if request.bias_correction is not None:
-        corrections, record = _bias_corrections(request, measured, profile, progress, compiled)
+        corrections, record = _bias_corrections(
+            request, measured, profile, progress, compiled, held
+        )
         qm, measured = (corrected(m, corrections, record) for m in (qm, measured))
     kept_fp32 = kept_int16 = frozenset()
     if request.accuracy_budget is not None:
-        labels = read_labels(request.labels)
+        data, labels = _evaluation_data(request, held)
         fitted = fit_budget(
             measured,
-            request.data,
+            data,
             request.accuracy_budget,
             labels,
             request.samples,
             progress,
             compiled,
+            held.metric,
         )
         kept_fp32, kept_int16 = frozenset(fitted.kept_fp32), frozenset(fitted.kept_int16)
     report("compiling", 1, 3)
     return build_artifact(qm, request.out, kept_fp32, kept_int16)
 
 
-def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict:
-    """FP32 against INT8 on the request's data; with ``method="all"`` every calibration method
-    of the profile, the best (top-1, else agreement, then SQNR) reported, the others listed."""
+def evaluate(
+    request: EvaluateRequest, progress: Progress | None = None, held: Held = Held()
+) -> dict:
+    """FP32 against INT8 on the request's data (``held``: in memory); with ``method="all"``
+    every calibration method of the profile, the best (the metric, else top-1, else agreement,
+    then SQNR) reported, the others listed."""
     from rangeprof.byoc.bias_correction import corrected
     from rangeprof.byoc.evaluate import evaluate as run_evaluation
     from rangeprof.byoc.evaluate import fit_budget
@@ -187,7 +213,7 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
 
     plugin = _runnable_here(get_plugin(request.target, request.weight_bits))
     methods = list(CHOICES) if request.method == EVERY_METHOD else [request.method]
-    labels = read_labels(request.labels)
+    data, labels = _evaluation_data(request, held)
     results, qm = [], None
     compiled: dict = {}  # the FP32 program serves every method
     profile = _profile(request)
@@ -200,22 +226,24 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
         else:
             qm = qm.replanned(qparams, request.fp32_fallback, request.exclude)
         if request.bias_correction is not None:
-            qm = corrected(qm, *_bias_corrections(request, qm, profile, progress, compiled))
+            qm = corrected(qm, *_bias_corrections(request, qm, profile, progress, compiled, held))
             corrections[qparams["options"]["method"]] = qm.bias_correction
         if request.accuracy_budget is None:
             result = run_evaluation(
-                qm, request.data, labels, request.samples, progress=progress, compiled=compiled
-            )
+                qm, data, labels, request.samples, progress=progress, compiled=compiled,
+                metric=held.metric,
+            )  # fmt: skip
         else:
             result = fit_budget(
-                qm, request.data, request.accuracy_budget, labels, request.samples, progress,
-                compiled,
+                qm, data, request.accuracy_budget, labels, request.samples, progress,
+                compiled, held.metric,
             )  # fmt: skip
         results.append((qparams["options"]["method"], result.to_json()))
 
     def rank(item):
         _, doc = item
-        return (doc.get("int8_top1", doc["agreement"]), doc["output_sqnr_db"] or math.inf)
+        score = doc.get("int8_metric", doc.get("int8_top1", doc["agreement"]))
+        return (score, doc["output_sqnr_db"] or math.inf)
 
     best_method, best = max(results, key=rank)
     report = {
@@ -231,7 +259,7 @@ def evaluate(request: EvaluateRequest, progress: Progress | None = None) -> dict
             "method": name,
             "output_sqnr_db": doc["output_sqnr_db"],
             "agreement": doc["agreement"],
-            **({"int8_top1": doc["int8_top1"]} if "int8_top1" in doc else {}),
+            **{k: doc[k] for k in ("int8_top1", "int8_metric") if k in doc},
         }
         for name, doc in results
     ]

@@ -272,13 +272,20 @@ function withEvaluation(params) {
   return evaluation ? `.evaluation${evaluation}` : "";
 }
 
+// The overlays of a chosen evaluation are the evaluation's own (its figures added).
+function exportUrl(format, q) {
+  const evaluation = document.getElementById("export-evaluation").value;
+  if (format === "model-explorer" && evaluation) return `/api/evaluations/${evaluation}/model-explorer`;
+  return `/api/runs/${runId}/export?${q}`;
+}
+
 for (const button of document.querySelectorAll("#downloads button[data-format]")) {
   button.addEventListener("click", () => {
     const format = button.dataset.format;
     const method = document.getElementById("export-method").value;
     const q = new URLSearchParams({ format, method });
     const tag = format === "model-explorer" ? withEvaluation(q) : "";
-    download(`/api/runs/${runId}/export?${q}`, `${model.name}.run${runId}.${method}${tag}.${SUFFIX[format]}`).catch(
+    download(exportUrl(format, q), `${model.name}.run${runId}.${method}${tag}.${SUFFIX[format]}`).catch(
       (err) => showError(err, "download-error"),
     );
   });
