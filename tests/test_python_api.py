@@ -289,6 +289,15 @@ def test_an_excluded_layer_stays_fp32(eight):
     _refused(lambda: rangeprof.build(model, profile, exclude=("/nothing/*",)), "/nothing/")
 
 
+def test_the_first_and_last_layers_can_stay_fp32(eight):
+    model, profile, _, test, labels = eight
+    int8 = rangeprof.build(model, profile, first_last_fp32=True)
+    modes = [r["mode"] for r in int8.manifest["regions"]]
+    assert len(modes) > 2 and modes[0] == modes[-1] == "fp32"
+    assert set(modes[1:-1]) == {"int8"}
+    assert "excluded by" in int8.manifest["regions"][0]["fallback"]
+
+
 def test_evaluate_takes_arrays_as_files(eight):
     """Arrays evaluate as the same samples from files do, and an iterable of uneven batches is
     the calibration data of bias correction as a file is; a metric in points reports beside

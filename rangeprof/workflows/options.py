@@ -149,6 +149,11 @@ class QuantizeOptions(Options):
         description="Layers kept FP32: profileIDs or shell patterns of them (e.g. '/head/*'), "
         "matched against every layer a region holds.",
     )
+    first_last_fp32: bool = Field(
+        False,
+        description="The first and last layers that would be INT8 stay FP32 (next to the input "
+        "and the output, often the most sensitive).",
+    )
     accuracy_budget: float | None = Field(
         None,
         ge=0,

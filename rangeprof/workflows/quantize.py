@@ -6,6 +6,7 @@ built or the evaluation report assembled. ``progress(phase, done, total)`` repor
 
 from __future__ import annotations
 
+import glob
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -112,14 +113,20 @@ def _check_target(document: dict, target: str) -> None:
 def _quantized(request: QuantizeRequest, qparams: dict, plugin):
     from rangeprof.byoc.quantized import quantize_model
 
-    return quantize_model(
-        request.model,
-        qparams,
-        plugin,
-        request.input_shapes,
-        request.fp32_fallback,
-        request.exclude,
-    )
+    qm = quantize_model(request.model, qparams, plugin, request.input_shapes, request.fp32_fallback)
+    return _replanned(request, qm, qparams)
+
+
+def _replanned(request: QuantizeRequest, qm, qparams: dict):
+    """``qm`` planned from ``qparams`` with the request's exclusions; with
+    ``first_last_fp32`` the first and last regions that would be quantized too."""
+    exclude = request.exclude
+    if request.first_last_fp32:
+        planned = qm.replanned(qparams, request.fp32_fallback, exclude)
+        quantized = [r for r in planned.regions if r.fallback is None]
+        ends = {glob.escape(r.output_id) for r in quantized[:1] + quantized[-1:]}
+        exclude = (*exclude, *sorted(ends))
+    return qm.replanned(qparams, request.fp32_fallback, exclude)
 
 
 def _runnable_here(plugin):
@@ -224,7 +231,7 @@ def evaluate(
         if qm is None:
             qm = _quantized(request, qparams, plugin)
         else:
-            qm = qm.replanned(qparams, request.fp32_fallback, request.exclude)
+            qm = _replanned(request, qm, qparams)
         if request.bias_correction is not None:
             qm = corrected(qm, *_bias_corrections(request, qm, profile, progress, compiled, held))
             corrections[qparams["options"]["method"]] = qm.bias_correction
