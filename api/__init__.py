@@ -1,2 +1,2 @@
-"""The REST service: database, API, worker and tokens (``rangeprof serve``); see the README's
-"Service (REST API)" section. The dashboard is not built yet (see the open issues)."""
+"""The REST service (``rangeprof.service``): database, API, worker, tokens and the web dashboard
+(``rangeprof serve``); see ``docs/service.md``."""

@@ -86,6 +86,28 @@ def create_app(
     app.add_middleware(BodyLimit, limits=limits)
     app.add_middleware(SecurityHeaders)
 
+    _handle_errors(app)
+
+    @app.get("/api/health", tags=["service"])
+    def health() -> HealthOut:
+        """Liveness, without a token (for container health checks)."""
+        return HealthOut()
+
+    app.include_router(routes_models.router, responses=_ERRORS)
+    app.include_router(routes_runs.router, responses=_ERRORS)
+    app.include_router(routes_layers.router, responses=_ERRORS)
+    app.include_router(routes_evaluations.router, responses=_ERRORS)
+    app.include_router(routes_builds.router, responses=_ERRORS)
+    app.include_router(routes_tokens.router, responses=_ERRORS)
+    dashboard.mount(app)
+    app.openapi = functools.partial(_openapi, app)
+    return app
+
+
+def _handle_errors(app: FastAPI) -> None:
+    """Every error as a response with a one-line JSON ``detail``: a user's error a 400, an
+    invalid request a 422, the database gone a 503 with Retry-After, a 405 with its Allow."""
+
     @app.exception_handler(RangeprofError)
     async def _user_error(_request: Request, err: RangeprofError) -> JSONResponse:
         return JSONResponse({"detail": str(err)}, status.HTTP_400_BAD_REQUEST)
@@ -118,21 +140,6 @@ def create_app(
             where = " ".join(str(part) for part in error["loc"])
             problems.append(f"{where}: {error['msg']}")
         return JSONResponse({"detail": "; ".join(problems)}, status.HTTP_422_UNPROCESSABLE_CONTENT)
-
-    @app.get("/api/health", tags=["service"])
-    def health() -> HealthOut:
-        """Liveness, without a token (for container health checks)."""
-        return HealthOut()
-
-    app.include_router(routes_models.router, responses=_ERRORS)
-    app.include_router(routes_runs.router, responses=_ERRORS)
-    app.include_router(routes_layers.router, responses=_ERRORS)
-    app.include_router(routes_evaluations.router, responses=_ERRORS)
-    app.include_router(routes_builds.router, responses=_ERRORS)
-    app.include_router(routes_tokens.router, responses=_ERRORS)
-    dashboard.mount(app)
-    app.openapi = functools.partial(_openapi, app)
-    return app
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import QueuePool
 
 from rangeprof.profiler.errors import RangeprofError
-from rangeprof.profiler.settings import settings
+
+from .settings import settings
 
 _SQLITE_BUSY_TIMEOUT_S = 30
 # anyio's default of 40 threads runs the sync request handlers: one connection each at most.

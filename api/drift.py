@@ -1,47 +1,19 @@
-"""Drift between two profiling runs, per profileID: how the range moved and how far apart the
-value distributions are.
-
-The histogram distance is the Jensen-Shannon distance (base 2, so within [0, 1]) of the two
-histograms after re-binning both to the coarser of their bin widths. Bins are aligned to multiples
-of a power-of-two width (:mod:`rangeprof.profiler.profiling.statistics`), so re-binning is exact; it
-works on the occupied bins only, so two ranges far apart cost no memory."""
+"""Drift between two profiling runs, per profileID, as the API answers it: how the range moved
+and how far apart the value distributions are
+(:func:`~rangeprof.profiler.profiling.drift.histogram_distance`)."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
+from rangeprof.profiler.profiling.drift import histogram_distance
 from rangeprof.profiler.profiling.statistics import Histogram
 
 from .schemas import Range, TensorDrift
 
 
-def histogram_distance(a: dict | None, b: dict | None) -> float | None:
+def _distance(a: dict | None, b: dict | None) -> float | None:
     if a is None or b is None:
         return None
-    first, second = Histogram.from_json(a), Histogram.from_json(b)
-    exponent = max(first.exponent, second.exponent)
-    keys, weights = [], []
-    for hist in (first, second):
-        index = np.arange(hist.offset, hist.offset + len(hist.counts), dtype=np.int64)
-        keys.append(index >> (exponent - hist.exponent))
-        weights.append(hist.counts.astype(np.float64))
-    bins, where = np.unique(np.concatenate(keys), return_inverse=True)
-    split = len(keys[0])
-    p = np.bincount(where[:split], weights=weights[0], minlength=len(bins))
-    q = np.bincount(where[split:], weights=weights[1], minlength=len(bins))
-    if p.sum() == 0 or q.sum() == 0:
-        return None
-    p, q = p / p.sum(), q / q.sum()
-    m = (p + q) / 2
-    divergence = (_kl(p, m) + _kl(q, m)) / 2
-    return math.sqrt(min(max(divergence, 0.0), 1.0))
-
-
-def _kl(p: np.ndarray, m: np.ndarray) -> float:
-    used = p > 0
-    return float(np.sum(p[used] * np.log2(p[used] / m[used])))
+    return histogram_distance(Histogram.from_json(a), Histogram.from_json(b))
 
 
 def tensor_drift(profile_id: str, kind: str, a: dict, b: dict) -> TensorDrift:
@@ -62,5 +34,5 @@ def tensor_drift(profile_id: str, kind: str, a: dict, b: dict) -> TensorDrift:
         min_shift=shift("min"),
         max_shift=shift("max"),
         range_change=change,
-        histogram_distance=histogram_distance(a["histogram"], b["histogram"]),
+        histogram_distance=_distance(a["histogram"], b["histogram"]),
     )

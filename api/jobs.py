@@ -35,7 +35,7 @@ from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.settings import settings
 
 from . import catalog, execute
-from .catalog import ARTIFACT_SUFFIX, DATA_SUFFIX, MODEL_SUFFIX
+from .catalog import DATA_SUFFIX, MODEL_SUFFIX
 from .db import Database
 from .documents import load_profile, store_profile
 from .job_requests import CALIBRATION_FOLDER
@@ -108,6 +108,10 @@ class _Lost(Exception):
 
 
 class Worker:
+    """Slot threads that claim queued jobs, run each in a child process and relay its progress;
+    the sweep of jobs whose worker is gone. A job's folder is laid out by :class:`_Layout`, its
+    row written by :class:`_Rows`."""
+
     def __init__(
         self,
         db: Database,
@@ -130,6 +134,8 @@ class Worker:
         self._threads: list[threading.Thread] = []
         self._last_recovery = 0.0
         self.ray = ray_setting()
+        self._layout = _Layout(db, store, self.ray)
+        self._rows = _Rows(db, store, self.name)
 
     def start(self) -> None:
         self.recover(own=True)
@@ -217,13 +223,12 @@ class Worker:
     def _execute(self, table: Table, job_id: int) -> None:
         kind = table.__tablename__
         log.info("%s %s started", kind, job_id)
-        prepare = {Run: self._run_job, Evaluation: self._eval_job, Build: self._build_job}[table]
         try:
             with self.store.scratch() as folder:
-                child = execute.start(prepare(job_id, folder), folder)
+                child = execute.start(self._layout.job(table, job_id, folder), folder)
                 outcome = self._supervise(table, job_id, child)
                 if "done" in outcome:  # stored from the folder: a build's artifact is there
-                    self._store(table, job_id, outcome["done"], folder)
+                    self._rows.done(table, job_id, outcome["done"], folder)
                     return
         except _Lost:
             log.info("%s %s was deleted or taken over; stopped", kind, job_id)
@@ -231,7 +236,63 @@ class Worker:
         except Exception as err:
             log.exception("%s %s", kind, job_id)
             outcome = {"failed": f"internal error: {type(err).__name__}: {err}"}
-        self._fail(table, job_id, outcome["failed"])
+        self._rows.fail(table, job_id, outcome["failed"])
+
+    def _supervise(self, table: Table, job_id: int, child: subprocess.Popen) -> dict:
+        """Relay the child's progress to the job's row until it answers, dies or is stopped."""
+        answers: queue.Queue[dict | None] = queue.Queue()
+
+        def read() -> None:
+            try:
+                with child.stdout:
+                    for line in child.stdout:
+                        answers.put(json.loads(line))
+            finally:
+                answers.put(None)  # end of answers: the child is gone
+
+        threading.Thread(target=read, daemon=True).start()
+        progress, written, last_write = {"progress": [0, None]}, None, 0.0
+        deadline = time.monotonic() + self.time_limit_s
+        try:
+            while not self._stopping.is_set():
+                if time.monotonic() > deadline:
+                    limit = f"{self.time_limit_s:g} s"
+                    return {"failed": f"stopped at this server's time limit for a job, {limit}"}
+                try:
+                    answer = answers.get(timeout=_WRITE_EVERY_S)
+                except queue.Empty:
+                    answer = {}
+                if answer is None:
+                    code = child.wait()
+                    return {"failed": f"the {_PROCESS[table]} process died (exit code {code})"}
+                if "progress" in answer:
+                    progress = answer
+                elif answer:
+                    return answer
+                # Progress at most every half second; otherwise a heartbeat now and then.
+                now = time.monotonic()
+                pause = _WRITE_EVERY_S if progress != written else self.heartbeat_s
+                if now - last_write >= pause:
+                    self._rows.progress(table, job_id, progress)
+                    written, last_write = progress, now
+            return {"failed": STOPPED}
+        finally:
+            child.kill()
+            child.wait()
+            child.stdin.close()
+
+
+class _Layout:
+    """Lays out a job's scratch folder for its child process: the model and the data linked from
+    the store under the file names the request gives, the profile or qparams document written
+    out; gives the job the child executes."""
+
+    def __init__(self, db: Database, store: BlobStore, ray: dict | None):
+        self.db, self.store, self.ray = db, store, ray
+
+    def job(self, table: Table, job_id: int, folder: Path) -> execute.Job:
+        prepare = {Run: self._run_job, Evaluation: self._eval_job, Build: self._build_job}[table]
+        return prepare(job_id, folder)
 
     def _link_model(self, model: Model, folder: Path, name: Path) -> None:
         (folder / name).symlink_to(self.store.path(model.sha256, MODEL_SUFFIX))
@@ -293,55 +354,21 @@ class Worker:
             self._link_calibration(folder, build, run)
         return execute.Job(execute.BUILD, request.model_dump(mode="json"))
 
-    def _supervise(self, table: Table, job_id: int, child: subprocess.Popen) -> dict:
-        """Relay the child's progress to the job's row until it answers, dies or is stopped."""
-        answers: queue.Queue[dict | None] = queue.Queue()
 
-        def read() -> None:
-            try:
-                with child.stdout:
-                    for line in child.stdout:
-                        answers.put(json.loads(line))
-            finally:
-                answers.put(None)  # end of answers: the child is gone
+class _Rows:
+    """A worker's writes to the rows of the jobs it holds: progress and heartbeats, the result,
+    the failure. Each applies only while the row is running under the worker's name; a progress
+    write that finds it otherwise raises :class:`_Lost`."""
 
-        threading.Thread(target=read, daemon=True).start()
-        progress, written, last_write = {"progress": [0, None]}, None, 0.0
-        deadline = time.monotonic() + self.time_limit_s
-        try:
-            while not self._stopping.is_set():
-                if time.monotonic() > deadline:
-                    limit = f"{self.time_limit_s:g} s"
-                    return {"failed": f"stopped at this server's time limit for a job, {limit}"}
-                try:
-                    answer = answers.get(timeout=_WRITE_EVERY_S)
-                except queue.Empty:
-                    answer = {}
-                if answer is None:
-                    code = child.wait()
-                    return {"failed": f"the {_PROCESS[table]} process died (exit code {code})"}
-                if "progress" in answer:
-                    progress = answer
-                elif answer:
-                    return answer
-                # Progress at most every half second; otherwise a heartbeat now and then.
-                now = time.monotonic()
-                pause = _WRITE_EVERY_S if progress != written else self.heartbeat_s
-                if now - last_write >= pause:
-                    self._progress(table, job_id, progress)
-                    written, last_write = progress, now
-            return {"failed": STOPPED}
-        finally:
-            child.kill()
-            child.wait()
-            child.stdin.close()
+    def __init__(self, db: Database, store: BlobStore, name: str):
+        self.db, self.store, self.name = db, store, name
 
     def _mine(self, table: Table, job_id: int):
         return update(table).where(
             table.id == job_id, table.status == "running", table.worker == self.name
         )
 
-    def _progress(self, table: Table, job_id: int, answer: dict) -> None:
+    def progress(self, table: Table, job_id: int, answer: dict) -> None:
         done, total = answer["progress"]
         values = {"heartbeat_at": utcnow()}
         if table is Run:
@@ -354,7 +381,8 @@ class Worker:
             if not session.execute(self._mine(table, job_id).values(**values)).rowcount:
                 raise _Lost
 
-    def _store(self, table: Table, job_id: int, result: dict, folder: Path) -> None:
+    def done(self, table: Table, job_id: int, result: dict, folder: Path) -> None:
+        """Stores the job's result (a build's artifact from ``folder``) and marks it done."""
         kind = table.__tablename__
         if table is Build:
             self._store_build(job_id, result, folder)
@@ -379,13 +407,11 @@ class Worker:
 
     def _store_build(self, build_id: int, result: dict, folder: Path) -> None:
         sha256 = result["sha256"]
-        path = self.store.path(sha256, ARTIFACT_SUFFIX).relative_to(self.store.root)
         finished = {
             "status": "done",
             "progress": 1.0,
             "phase": None,
             "finished_at": utcnow(),
-            "artifact_path": str(path),
             "artifact_sha256": sha256,
             "manifest": result["manifest"],
             "timings": result["timings"],
@@ -400,7 +426,7 @@ class Worker:
         else:
             log.info("build %s was deleted or taken over; result dropped", build_id)
 
-    def _fail(self, table: Table, job_id: int, error: str) -> None:
+    def fail(self, table: Table, job_id: int, error: str) -> None:
         with self.db.session() as session:
             session.execute(
                 self._mine(table, job_id).values(status="failed", error=error, finished_at=utcnow())

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 
 from sqlalchemy import and_, func, or_, select
 
 from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, qparams_for
+from rangeprof.workflows.options import CalibrationOptions as Asked
+from rangeprof.workflows.profiling import calibration_options
 
 from .db import Database
 from .documents import IDENTITY
@@ -46,7 +49,7 @@ class _Scales:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return self._entries[key]
-        scales = {m: qparams_for(entry, calibration(query, m)).scale for m in METHODS}
+        scales = {m: qparams_for(entry, calibration(query, m, entry)).scale for m in METHODS}
         with self._lock:
             self._entries[key] = scales
             while len(self._entries) > self.size:
@@ -57,11 +60,24 @@ class _Scales:
 _scales = _Scales(_CACHE_ENTRIES)
 
 
-def calibration(query: LayerQuery | TensorQuery, method: str = "max") -> CalibrationOptions:
-    """Per-tensor options of ``method`` with the query's scheme, dtype and percentile."""
-    return CalibrationOptions(
-        method=method, percentile=query.percentile, scheme=query.scheme, dtype=query.dtype
+def calibration(
+    query: LayerQuery | TensorQuery, method: str = "max", entry: dict | None = None
+) -> CalibrationOptions:
+    """Per-tensor options of ``method`` for the tensor ``entry``: the query's scheme, dtype and
+    percentile, the target's grid where not given — its weights' for weights and other static
+    tensors, its activations' for the rest."""
+    asked = Asked(
+        target=query.target,
+        method=method,
+        percentile=query.percentile,
+        scheme=query.scheme,
+        dtype=query.dtype,
+        granularity="per-tensor",
     )
+    activations, weights = calibration_options(asked)
+    static = entry is not None and (entry["kind"] == "weight" or entry.get("static", False))
+    grid = weights if static and query.scheme is None and query.dtype is None else activations
+    return replace(grid, method=method, percentile=query.percentile, granularity="per-tensor")
 
 
 def tensor_entry(stat: TensorStat) -> dict:
@@ -110,7 +126,7 @@ def layer_page(db: Database, model_id: int, run: Run | None, query: LayerQuery) 
 def _row(layer: Layer, stat: TensorStat | None, run: Run | None, query: LayerQuery) -> LayerRow:
     scales = {}
     if stat is not None:
-        options = (query.scheme, query.dtype, query.percentile)
+        options = (query.target, query.scheme, query.dtype, query.percentile)
         key = (run.id, run.finished_at.isoformat(), layer.profile_id, *options)
         scales = _scales.get(key, tensor_entry(stat), query)
     return LayerRow(

@@ -236,7 +236,7 @@ class Build(Base):
     ``profile`` is the run's profile, calibrated with the target's policy, or its ``qparams``
     the stored ``qparams`` set. An accuracy budget measures on uploaded evaluation data (and
     labels). Executed by the worker like a run; the artifact (model.so and manifest.json,
-    zipped) is a blob at ``artifact_path`` under the store's root."""
+    zipped) is the store's blob ``artifact_sha256``."""
 
     __tablename__ = "build"
     __table_args__ = (CheckConstraint(_in("status", BUILD_STATUSES), name="status"), NEVER_REUSED)
@@ -255,7 +255,6 @@ class Build(Base):
     phase: Mapped[str | None] = mapped_column(String(64))
     worker: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None]
-    artifact_path: Mapped[str | None] = mapped_column(Text)
     artifact_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     manifest: Mapped[dict[str, Any] | None]  # the artifact's manifest.json
     timings: Mapped[dict[str, Any] | None]

@@ -288,9 +288,12 @@ class LayerQuery(BaseModel):
     order: Literal["asc", "desc"] = "asc"
     offset: int = Field(0, ge=0, le=MAX_ID)
     limit: int = Field(50, ge=1, le=500)
-    scheme: Scheme = "sym"
-    dtype: Dtype = "int8"
-    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
+    target: Target = CalibrationOptions.model_fields["target"]
+    scheme: Scheme | None = Field(
+        None, description="Scales on this scheme (default: the target's, weights' and others')."
+    )
+    dtype: Dtype | None = Field(None, description="Scales on this type (default: the target's).")
+    percentile: float = CalibrationOptions.model_fields["percentile"]
 
 
 class LayerRow(BaseModel):
@@ -305,8 +308,9 @@ class LayerRow(BaseModel):
     min: float | None = Field(description="Of the run; null without a run or finite values.")
     max: float | None
     scales: dict[str, float] = Field(
-        description="Suggested per-tensor scale per calibration method (the query's scheme and "
-        "dtype), as `rangeprof calibrate` computes it; empty without a run."
+        description="Suggested per-tensor scale per calibration method, on the target's grid "
+        "for the tensor's kind (or the query's scheme and dtype), as `rangeprof calibrate` "
+        "computes it; empty without a run."
     )
 
 
@@ -323,9 +327,10 @@ class TensorQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     profile_id: str
-    scheme: Scheme = "sym"
-    dtype: Dtype = "int8"
-    percentile: float = Field(99.99, gt=0, le=100, description="For method percentile.")
+    target: Target = CalibrationOptions.model_fields["target"]
+    scheme: Scheme | None = LayerQuery.model_fields["scheme"]
+    dtype: Dtype | None = LayerQuery.model_fields["dtype"]
+    percentile: float = CalibrationOptions.model_fields["percentile"]
 
 
 class TensorOut(BaseModel):

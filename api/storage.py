@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rangeprof.profiler.settings import settings
-
 from .db import data_dir, sqlite_path
+from .settings import settings
 
 
 def storage_root(url: str, given: str | Path | None = None) -> Path:

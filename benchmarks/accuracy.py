@@ -22,7 +22,7 @@ where top-1 lets a lucky flip cancel a lost one) and the output SQNR of INT8 aga
 FP32 model. Run::
 
     python benchmarks/accuracy.py [--models digits_cnn ppocr_cls] [--test-samples N]
-        [--json benchmarks/accuracy-DATE.json]
+        [--json benchmarks/results/accuracy-HOST.json]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FP32 latency of our CPU build (rangeprof.profiler.build.schedules.build) against onnxruntime,
+"""FP32 latency of our CPU build (rangeprof.profiler.compile.schedules.build) against onnxruntime,
 same process.
 
 For each shared model: cold build time, median latency (of block medians) over ``--runs`` runs
@@ -32,7 +32,7 @@ import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from rangeprof.profiler.build.schedules import build  # noqa: E402
+from rangeprof.profiler.compile.schedules import build  # noqa: E402
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
 from rangeprof.profiler.ir.onnx_load import load_model  # noqa: E402
 

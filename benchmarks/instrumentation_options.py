@@ -8,7 +8,8 @@ For each model (../shared/models) it times, per sample, on the same random data:
   profiling program keeps), the baseline;
 * ``extra_outputs``: our choice — every initial float tensor added to ``main``'s outputs, the
   same fused pipeline, each such tensor summarised by a compiled statistics kernel right where
-  it is produced (:mod:`rangeprof.profiler.build.executor`), the kernels' vectors decoded per batch;
+  it is produced (:mod:`rangeprof.profiler.profiling.executor`), the kernels' vectors decoded
+  per batch;
 * ``vm_instrument_unfused``: TVM's default pipeline without fusion, one kernel per op, a VM
   instrument callback computing the statistics of every kernel output in numpy (fused kernels
   would hide intermediates from it);
@@ -28,11 +29,11 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from rangeprof.profiler.build.executor import compile_program
-from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.compile.schedules import build, host_target
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model
 from rangeprof.profiler.profiling.data import model_inputs, open_data
+from rangeprof.profiler.profiling.executor import compile_program
 from rangeprof.profiler.profiling.statistics import TensorStats
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

@@ -1,5 +1,5 @@
-"""INT8 vs FP32 kernels of our CPU build (rangeprof.profiler.build.schedules.build), one layer shape
-at a time.
+"""INT8 vs FP32 kernels of our CPU build (rangeprof.byoc.cpu.build), one layer shape at a
+time.
 
 For each shape (ResNet-18 3×3 convs, a 1×1, a MobileNetV2 depthwise 3×3, the 512→1000
 classifier): our FP32 kernel, our INT8 kernel alone (8-bit × int8 → int32) and with the
@@ -39,10 +39,12 @@ _clock = time.thread_time if SINGLE else time.perf_counter
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
+from rangeprof.byoc import cpu  # noqa: E402
 from rangeprof.byoc.lowering import requantize  # noqa: E402
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
 from rangeprof.byoc.policy import ActivationQ  # noqa: E402
-from rangeprof.profiler.build.schedules import build, host_target  # noqa: E402
+from rangeprof.byoc.x86.isa import ISA  # noqa: E402
+from rangeprof.profiler.compile.schedules import host_target  # noqa: E402
 
 # name: (channels in, channels out, size, kernel, stride, groups); kernel 0 is a dense layer.
 SHAPES = {
@@ -116,7 +118,7 @@ def _requantize(bb: relax.BlockBuilder, acc, channels: int, rng) -> relax.Var:
 
 def _runner(shape, dtype: str, requantize: bool, target, weight_max: int = 127):
     mod, x = _module(shape, dtype, requantize, weight_max)
-    vm = relax.VirtualMachine(build(mod, target), tvm.cpu())
+    vm = relax.VirtualMachine(cpu.build(mod, target, ISA), tvm.cpu())
     arg = tvm.runtime.tensor(x)
     return lambda: vm["main"](arg)
 

@@ -4,7 +4,7 @@ For each model: a profile on ``--samples`` seeded random samples (``rangeprof pr
 random``), qparams from it with the x86 policy (``--method``), our INT8 builds
 (``rangeprof.byoc``: x86 plugin, fast CPU path) with 8-bit weights and with 7-bit weights
 (``--weight-bits 7``: on x86 without VNNI, ``vpmaddubsw`` instead of ``vpmaddwd``), our FP32
-build (``rangeprof.profiler.build.schedules.build``), onnxruntime FP32, and onnxruntime INT8
+build (``rangeprof.profiler.compile.schedules.build``), onnxruntime FP32, and onnxruntime INT8
 (``quantize_static``: QDQ, per-channel int8 weights, uint8 activations, calibrated (MinMax) on
 the same samples, after its recommended ``quant_pre_process``). Latency over ``--runs`` runs of
 one more random input, and each INT8 model's output SQNR against its own FP32 model on
@@ -58,7 +58,7 @@ from rangeprof.profiler.profiling.data import model_inputs, open_data  # noqa: E
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
 from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noqa: E402
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model  # noqa: E402
-from rangeprof.profiler.build.schedules import build, host_target  # noqa: E402
+from rangeprof.profiler.compile.schedules import build, host_target  # noqa: E402
 
 
 def _sqnr(ref: list[np.ndarray], got: list[np.ndarray]) -> float:

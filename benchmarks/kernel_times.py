@@ -34,8 +34,8 @@ from tvm import relax, tirx  # noqa: E402
 from benchmarks.int8_vs_fp32 import model_path  # noqa: E402
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model  # noqa: E402
-from rangeprof.profiler.build.schedules import host_target  # noqa: E402
-from rangeprof.profiler.build.schedules.pipeline import relax_pipeline  # noqa: E402
+from rangeprof.profiler.compile.schedules import host_target  # noqa: E402
+from rangeprof.profiler.compile.schedules.pipeline import relax_pipeline  # noqa: E402
 from rangeprof.profiler.ir.bindings import tensor_dtype, tensor_shape  # noqa: E402
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
 from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noqa: E402

@@ -35,13 +35,11 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from rangeprof.profiler.build import executor
-from rangeprof.profiler.build.cache import BuildCache
-from rangeprof.profiler.build.schedules import build
+from rangeprof.profiler.compile.cache import BuildCache
+from rangeprof.profiler.compile.schedules import build
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model
-from rangeprof.profiler.ir.passes import observe_statistics
-from rangeprof.profiler.profiling import statistics, stats_kernel
+from rangeprof.profiler.profiling import executor, observe_statistics, statistics, stats_kernel
 from rangeprof.profiler.profiling.data import model_inputs, open_data
 from rangeprof.profiler.profiling.run import ProfileOptions, _Builder
 from rangeprof.profiler.profiling.statistics import TensorStats

@@ -68,7 +68,7 @@ def fig_fp32(name: str, runs: int = 40) -> dict:
     import tvm
     from tvm import relax
 
-    from rangeprof.profiler.build.schedules import build
+    from rangeprof.profiler.compile.schedules import build
     from rangeprof.profiler.ir.importer import import_onnx
     from rangeprof.profiler.ir.onnx_load import load_model
 
@@ -101,7 +101,7 @@ def fig_ort_fp32(name: str, runs: int = 40) -> dict:
 
 
 def fig_profile(name: str, samples: int, bins: int, cache: str, data: str) -> dict:
-    from rangeprof.profiler.build.cache import BuildCache
+    from rangeprof.profiler.compile.cache import BuildCache
     from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     start = time.perf_counter()

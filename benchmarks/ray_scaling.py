@@ -16,7 +16,7 @@ all the machine's CPUs profiles the same data with 1 worker (every CPU) and with
 
 Every Ray profile is checked to hold the single-process ``tensors`` byte for byte. The table is
 printed; the JSON (machine, CPUs, rows) goes to ``--json``, default
-``benchmarks/ray-scaling-<date>.json``.
+``benchmarks/results/ray-scaling.json``.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, help="per model (default: digits 4000, resnet 96)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    out = args.json or Path(__file__).with_name(f"ray-scaling-{time.strftime('%Y-%m-%d')}.json")
+    out = args.json or Path(__file__).parent / "results" / "ray-scaling.json"
 
     cpus = os.cpu_count() or 1
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)

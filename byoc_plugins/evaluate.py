@@ -246,65 +246,97 @@ def evaluate(
     top1 = labels is not None and labels.ndim == 1 and labels.dtype.kind in "iu"
     quantizable = [r for r in qm.regions if r.fallback is None]
     modes = {r.name: region_mode(r, kept_fp32, kept_int16) for r in quantizable}
-    stages = [
-        ("fp32", {r.name: FP32 for r in qm.regions}),
-        ("int8", modes),
-        ("shadow", {r.name: SHADOW for r in quantizable}),
-    ]
-    compiled = {} if compiled is None else compiled
-    programs = {}
-    for index, (name, stage_modes) in enumerate(stages):
-        announce = progress and partial(progress, f"compiling {name}", index, len(stages))
-        programs[name] = program(qm, name, stage_modes, compiled, announce)
+    programs = _programs(qm, modes, {} if compiled is None else compiled, progress)
     layers = [
         LayerError(
             r.output_id, r.name, r.pattern, modes[r.name], r.output.scale if r.output else None
         )
         for r in quantizable
     ]
-    position = {name: {pid: i for i, pid in enumerate(p.ids)} for name, p in programs.items()}
-    output, agree, fp32_ok, int8_ok, seen = _Error(), 0, 0, 0, 0
-    outputs: dict[str, list[np.ndarray]] = {"fp32": [], "int8": []}  # for the metric
+    tally = _Tally(programs, layers, labels if top1 else None, metric is not None)
     for batch_arrays in source.batches():
-        inputs = list(batch_arrays.values())
-        ref, ref_layers = programs["fp32"].run(inputs)
-        got, got_layers = programs["int8"].run(inputs)
-        _, shadow_layers = programs["shadow"].run(inputs)
-        output.add(ref, got)
-        ref_top, got_top = ref.reshape(len(ref), -1).argmax(1), got.reshape(len(got), -1).argmax(1)
-        agree += int((ref_top == got_top).sum())
-        if metric is not None:
-            outputs["fp32"].append(ref)
-            outputs["int8"].append(got)
-        if top1:
-            truth = labels[seen : seen + len(ref)]
-            fp32_ok += int((ref_top == truth).sum())
-            int8_ok += int((got_top == truth).sum())
-        for layer in layers:
-            reference = ref_layers[position["fp32"][layer.profile_id]]
-            layer.accumulated.add(reference, got_layers[position["int8"][layer.profile_id]])
-            layer.isolated.add(reference, shadow_layers[position["shadow"][layer.profile_id]])
-        seen += len(ref)
+        tally.add(list(batch_arrays.values()))
         if progress:
-            progress("evaluating", seen, source.num_samples)
+            progress("evaluating", tally.seen, source.num_samples)
     scores = {}
     if metric is not None:
-        truth = None if labels is None else labels[:seen]
+        truth = None if labels is None else labels[: tally.seen]
         scores = {
             f"{name}_metric": float(metric(np.concatenate(got), truth))
-            for name, got in outputs.items()
+            for name, got in tally.outputs.items()
         }
     return Evaluation(
-        samples=seen,
-        output=output,
-        agree=agree,
-        fp32_correct=fp32_ok if top1 else None,
-        int8_correct=int8_ok if top1 else None,
+        samples=tally.seen,
+        output=tally.output,
+        agree=tally.agree,
+        fp32_correct=tally.fp32_correct if top1 else None,
+        int8_correct=tally.int8_correct if top1 else None,
         layers=layers,
         kept_fp32=sorted(kept_fp32),
         kept_int16=sorted(kept_int16 - kept_fp32),
         **scores,
     )
+
+
+def _programs(
+    qm: QuantizedModel, modes: dict[str, str], compiled: dict, progress: Progress | None
+) -> dict[str, Program]:
+    """The three programs of the module doc, by name, with the INT8 one's region ``modes``."""
+    quantizable = [r for r in qm.regions if r.fallback is None]
+    stages = [
+        ("fp32", {r.name: FP32 for r in qm.regions}),
+        ("int8", modes),
+        ("shadow", {r.name: SHADOW for r in quantizable}),
+    ]
+    programs = {}
+    for index, (name, stage_modes) in enumerate(stages):
+        announce = progress and partial(progress, f"compiling {name}", index, len(stages))
+        programs[name] = program(qm, name, stage_modes, compiled, announce)
+    return programs
+
+
+class _Tally:
+    """The running comparison of the three programs, batch after batch: the first output's
+    error and top-1 agreement, top-1 against ``labels`` (when given), each layer's accumulated
+    and isolated error, and, with ``keep_outputs``, every first output (for a metric)."""
+
+    def __init__(
+        self,
+        programs: dict[str, Program],
+        layers: list[LayerError],
+        labels: np.ndarray | None,
+        keep_outputs: bool,
+    ):
+        self.programs, self.layers, self.labels = programs, layers, labels
+        self.keep_outputs = keep_outputs
+        self.position = {
+            name: {pid: i for i, pid in enumerate(p.ids)} for name, p in programs.items()
+        }
+        self.output = _Error()
+        self.agree = self.fp32_correct = self.int8_correct = self.seen = 0
+        self.outputs: dict[str, list[np.ndarray]] = {"fp32": [], "int8": []}
+
+    def add(self, inputs: list) -> None:
+        """Runs the three programs on one batch and adds up what they give."""
+        ref, ref_layers = self.programs["fp32"].run(inputs)
+        got, got_layers = self.programs["int8"].run(inputs)
+        _, shadow_layers = self.programs["shadow"].run(inputs)
+        self.output.add(ref, got)
+        ref_top, got_top = ref.reshape(len(ref), -1).argmax(1), got.reshape(len(got), -1).argmax(1)
+        self.agree += int((ref_top == got_top).sum())
+        if self.keep_outputs:
+            self.outputs["fp32"].append(ref)
+            self.outputs["int8"].append(got)
+        if self.labels is not None:
+            truth = self.labels[self.seen : self.seen + len(ref)]
+            self.fp32_correct += int((ref_top == truth).sum())
+            self.int8_correct += int((got_top == truth).sum())
+        position = self.position
+        for layer in self.layers:
+            reference = ref_layers[position["fp32"][layer.profile_id]]
+            layer.accumulated.add(reference, got_layers[position["int8"][layer.profile_id]])
+            layer.isolated.add(reference, shadow_layers[position["shadow"][layer.profile_id]])
+        self.seen += len(ref)
 
 
 def region_mode(region, kept_fp32: frozenset[str], kept_int16: frozenset[str]) -> str:

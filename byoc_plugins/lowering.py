@@ -19,7 +19,7 @@ regions stay in 8 bits, and dequantize / quantize pairs are left only where an F
 sits between them.
 
 How the core is compiled is the target's business: inline in ``main`` for the LLVM targets (x86,
-aarch64: :mod:`rangeprof.profiler.build.schedules` gives the integer convolutions their kernels), or
+aarch64: :mod:`rangeprof.byoc.cpu` gives the integer convolutions their kernels), or
 as a function of its own marked ``Codegen`` for an external code generator (npu).
 
 Modes per region: ``int8``; ``int16`` (where the policy has wide activations: the input

@@ -3,7 +3,7 @@
 A region is ``conv2d`` (dense, depthwise or grouped; NCHW / OIHW) or ``matmul`` with a constant
 float32 weight, then optionally a constant per-output-channel bias add, then optionally a ReLU or a
 ``Clip`` (``maximum(·, lo)`` followed by ``minimum(·, hi)``, as ReLU6 is after
-``rangeprof.profiler.build.schedules.prepare``); or, for targets that take it, a ``batch_matmul``:
+``rangeprof.profiler.ir.passes.canonicalize``); or, for targets that take it, a ``batch_matmul``:
 a ``matmul`` of two activations (attention's scores ``Q·Kᵀ`` and context ``P·V``), no epilogue.
 Patterns are listed longest first, constant-weight kinds before ``batch_matmul``:
 ``FuseOpsByPattern`` takes the first that matches. :func:`read_region` reads a matched composite

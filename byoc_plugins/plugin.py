@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import tvm
@@ -34,7 +34,6 @@ def _export_library(executable: tvm.runtime.Executable, path: Path) -> None:
 @dataclass(frozen=True)
 class Plugin:
     name: str
-    description: str
     policy: QuantPolicy
     patterns: Callable[[], list[relax.transform.FusionPattern]]
     target: Callable[[], tvm.target.Target]
@@ -44,6 +43,8 @@ class Plugin:
     # What the target made of each region of a lowered module, by core symbol (e.g. tiling)
     describe: Callable[[tvm.IRModule], dict[str, dict]] | None = None
     runs_here: bool = True  # False: cross-compiled (run elsewhere, or under an emulator)
+    # What the plugin was configured with when obtained (npu: its buffer size), for the manifest
+    options: dict = field(default_factory=dict)
 
 
 def get_plugin(name: str, weight_bits: int | None = None) -> Plugin:
@@ -51,7 +52,10 @@ def get_plugin(name: str, weight_bits: int | None = None) -> Plugin:
     ``weight_bits`` (7 or 8) when given."""
     if name not in TARGETS:
         raise RangeprofError(f"unknown target {name!r}; expected one of {', '.join(TARGETS)}")
-    plugin = importlib.import_module(f"rangeprof.byoc.{name}").PLUGIN
+    module = importlib.import_module(f"rangeprof.byoc.{name}")
+    # A plugin configured from the environment is made here, once: what its code generation
+    # reads is decided when the plugin is obtained, not during the build.
+    plugin = module.make_plugin() if hasattr(module, "make_plugin") else module.PLUGIN
     if weight_bits is None or weight_bits == plugin.policy.weight_bits:
         return plugin
     return replace(plugin, policy=replace(plugin.policy, weight_bits=weight_bits))

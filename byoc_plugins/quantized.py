@@ -67,6 +67,7 @@ class QuantizedModel:
         return {
             "model": {"name": loaded.name, "sha256": loaded.sha256},
             "target": self.plugin.name,
+            **({"target_options": self.plugin.options} if self.plugin.options else {}),
             "policy": self.plugin.policy.to_json(),
             "calibration": self.qparams.get("options"),
             **({"bias_correction": self.bias_correction} if self.bias_correction else {}),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -31,6 +34,26 @@ ZOO_SHAPES = {
     "digits_cnn": {},
     "ppocr_cls": {"x": (1, 3, 48, 192)},
 }
+
+
+T = TypeVar("T")
+
+
+def poll_until(
+    predicate: Callable[[], T],
+    timeout: float = 60.0,
+    interval: float = 0.1,
+    what: str | Callable[[], object] = "the condition",
+) -> T:
+    """Calls ``predicate`` every ``interval`` seconds until it returns a true value, and returns
+    that value. After ``timeout`` seconds the test fails, naming ``what`` (a callable: called
+    then, to show the latest state): a bound on a hang, not a speed."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout:g} s: {what() if callable(what) else what}")
+        time.sleep(interval)
+    return value
 
 
 def zoo_model(name: str) -> Path:

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from rangeprof.service.migrate import upgrade
 from rangeprof.service.models import Base
 
 from conftest import BACKENDS as BACKENDS  # defined there for its hook; tests import it here
-from conftest import SHARED
+from conftest import SHARED, poll_until
 
 # PostgreSQL of the test machines and CI: trust auth, an existing database to connect to.
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -100,10 +99,10 @@ class ThreadServer:
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
+        poll_until(
+            lambda: self.server.started or not self.thread.is_alive(), 30, 0.05, "server starts"
+        )
+        assert self.server.started, "server did not start"
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
 
@@ -148,15 +147,16 @@ def serve(url: str, storage: Path, port: int, log: Path, *options: str) -> Range
     """``rangeprof serve``, once it answers."""
     args = ["serve", "--db", url, "--port", str(port), "--storage", str(storage), *options]
     server = Rangeprof(log, *args)
-    deadline = time.monotonic() + 60
-    while True:
+
+    def healthy() -> bool:
         assert server.process.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "server did not start"
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/health").status_code == 200:
-                return server
+            return httpx.get(f"http://127.0.0.1:{port}/api/health").status_code == 200
         except httpx.TransportError:
-            time.sleep(0.1)
+            return False
+
+    poll_until(healthy, 60, what="server starts")
+    return server
 
 
 def client(base_url: str, token: str | None) -> httpx.Client:
@@ -196,13 +196,11 @@ def live_service(backend: str, folder: Path, limits: Limits, jobs: int = 2) -> I
 
 
 def wait_for_run(api: httpx.Client, run_id: int, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    def ended() -> dict | None:
         run = api.get(f"/api/runs/{run_id}").json()
-        if run["status"] in ("done", "failed", "cancelled"):
-            return run
-        assert time.monotonic() < deadline, run
-        time.sleep(0.2)
+        return run if run["status"] in ("done", "failed", "cancelled") else None
+
+    return poll_until(ended, timeout, 0.2, lambda: api.get(f"/api/runs/{run_id}").json())
 
 
 def npz_bytes(**arrays) -> bytes:

@@ -30,13 +30,14 @@ from rangeprof.byoc.aarch64 import (
 from rangeprof.byoc.aarch64.host import ensure_host
 from rangeprof.byoc.plugin import get_plugin
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
-from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.compile.schedules import host_target
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model
 from rangeprof.profiler.profiling.data import model_inputs, open_data
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 from conftest import SHARED, ZOO_SHAPES, zoo_model
+from integer_build import build
 
 needs_toolchain = pytest.mark.skipif(not toolchain_available(), reason=str(unavailable_reason()))
 

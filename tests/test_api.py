@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from rangeprof.workflows.profiling import calibrate_profile, calibration_options
 from rangeprof.workflows.requests import ProfileRequest
 
 import onnx_builders as mb
-from conftest import zoo_model
+from conftest import poll_until, zoo_model
 from service_fixtures import (
     BACKENDS,
     cli_profile,
@@ -211,10 +210,8 @@ def test_delete_removes_the_model_its_runs_and_files(live, tmp_path):
     assert blob.is_file()  # the twin still refers to it
     assert live.owner.delete(f"/api/models/{twin['id']}").status_code == 204
     assert row_counts(live.url) == rows
-    deadline = time.monotonic() + 20  # the worker may still be tearing the stopped run down
-    while stored_files(live.storage) != files and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert stored_files(live.storage) == files
+    # the worker may still be tearing the stopped run down
+    poll_until(lambda: stored_files(live.storage) == files, 20, what=lambda: live.storage)
 
 
 def test_tokens_see_only_their_own(live, digits):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from rangeprof.workflows import quantize
 from rangeprof.workflows.requests import BuildRequest, EvaluateRequest
 
 import onnx_builders as mb
-from conftest import zoo_model
+from conftest import poll_until, zoo_model
 from service_fixtures import (
     BACKENDS,
     DIGITS,
@@ -79,14 +78,14 @@ def digits(live, tmp_path_factory) -> Digits:
 
 def wait_for(api, path: str, timeout: float = 120) -> dict:
     """The build or evaluation at ``path`` once done."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ended() -> dict | None:
         job = api.get(path).json()
-        if job["status"] in ("done", "failed"):
-            assert job["status"] == "done", job["error"]
-            return job
-        assert time.monotonic() < deadline, job
-        time.sleep(0.2)
+        return job if job["status"] in ("done", "failed") else None
+
+    job = poll_until(ended, timeout, 0.2, lambda: api.get(path).json())
+    assert job["status"] == "done", job["error"]
+    return job
 
 
 def wait_for_build(api, build_id: int) -> dict:

@@ -10,14 +10,13 @@ and a ``rangeprof worker`` executes them.
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from rangeprof.service.jobs import STOPPED
 
-from conftest import zoo_model
+from conftest import poll_until, zoo_model
 from service_fixtures import (
     BACKENDS,
     Rangeprof,
@@ -43,13 +42,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _until(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_restart_keeps_everything_and_fails_the_interrupted_run(backend, tmp_path):
     with database(backend, tmp_path) as url:
@@ -73,10 +65,10 @@ def test_restart_keeps_everything_and_fails_the_interrupted_run(backend, tmp_pat
                 finished = wait_for_run(api, queued["id"])
                 assert finished["status"] == "done", finished["error"] or log.read_text()
                 profile = api.get(f"/api/runs/{finished['id']}/profile").json()
-                _until(
+                poll_until(
                     lambda: api.get(f"/api/runs/{long['id']}").json()["samples_done"] > 0,
-                    "the long run makes no progress",
-                    timeout=120,
+                    120,
+                    what="the long run makes progress",
                 )
                 children = processes[-1].children()
                 rows = row_counts(url)
@@ -84,13 +76,13 @@ def test_restart_keeps_everything_and_fails_the_interrupted_run(backend, tmp_pat
             for process in processes:
                 process.kill()
         assert children, "the run executes in a child process"
-        _until(lambda: not any(map(_alive, children)), "the run outlived its worker", 20)
+        poll_until(lambda: not any(map(_alive, children)), 20, what="the run ends with its worker")
 
         processes = start()
         try:
             with client(f"http://127.0.0.1:{port}", token) as api:
                 run = f"/api/runs/{long['id']}"
-                _until(lambda: api.get(run).json()["status"] != "running", "still running")
+                poll_until(lambda: api.get(run).json()["status"] != "running", what="run stops")
                 interrupted = api.get(run).json()
                 assert (interrupted["status"], interrupted["error"]) == ("failed", STOPPED)
                 assert 0 < interrupted["progress"] < 1 and interrupted["finished_at"]

@@ -2,7 +2,7 @@
 writes them: 8-bit ``[…, M, K]`` × int8 ``[…, K, N]`` → int32) on the target's dot-product
 instruction, the right operand packed at run time.
 
-Each matmul is built with ``rangeprof.profiler.build.schedules.build`` for this machine and run;
+Each matmul is built with the integer kernels (``integer_build.build``) for this machine and run;
 the int32 results must equal numpy's int64 ones exactly, with activations at 255 (or ±128) and
 the operand at −128 / 127 where the sums are largest. Kernels for instruction sets this machine
 lacks are compiled and their assembly checked. Shapes no instruction fits keep TVM's matmul.
@@ -17,8 +17,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from rangeprof.profiler.build.schedules import build, host_target
-from rangeprof.profiler.build.schedules.dense_int8 import (
+from rangeprof.byoc.cpu.dense_int8 import (
     DENSE,
     OFFSET_SUMS,
     PACK,
@@ -26,7 +25,10 @@ from rangeprof.profiler.build.schedules.dense_int8 import (
     offset_sums,
     pack_operand,
 )
-from rangeprof.profiler.build.schedules.isa import DOT_INSTRUCTIONS
+from rangeprof.byoc.cpu.isa import DOT_INSTRUCTIONS
+from rangeprof.profiler.compile.schedules import host_target
+
+from integer_build import build
 
 VNNI = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})

@@ -1,6 +1,7 @@
 """Bias correction on the trained digits CNN, empirical (measured on calibration data) and
 stored (derived from the profile's per-channel means): folded into the int32 biases, recorded
-in the report and the manifest, and worth it."""
+in the report and the manifest, and worth it. The default run has the smoke test of both modes
+on a small profile; the rest is the zoo step's."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from rangeprof.workflows.requests import BuildRequest, EvaluateRequest, ProfileR
 
 from conftest import SHARED, zoo_model
 
-pytestmark = pytest.mark.zoo
-
 DATA = SHARED / "data" / "digits.npz"
 CALIB = f"{DATA}:calib"
 
 
-def _profile(tmp_path_factory, channel_stats: bool):
-    request = ProfileRequest(model=zoo_model("digits_cnn"), data=CALIB, channel_stats=channel_stats)
+def _profile(tmp_path_factory, channel_stats: bool, samples: int | None = None):
+    request = ProfileRequest(
+        model=zoo_model("digits_cnn"), data=CALIB, channel_stats=channel_stats, samples=samples
+    )
     path = tmp_path_factory.mktemp("bc") / "profile.json"
     path.write_text(json.dumps(profiling.profile(request)))
     return path
@@ -41,6 +42,25 @@ def profile_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_profile_path(tmp_path_factory):
     return _profile(tmp_path_factory, channel_stats=False)
+
+
+def test_stored_and_measured_corrections_on_a_small_profile(tmp_path_factory):
+    """Both modes end to end on 32 samples (the default run's smoke test): the evaluation
+    report records the mode and the regions corrected, and the correction moves the INT8
+    output (not its FP32 reference)."""
+    profile_path = _profile(tmp_path_factory, channel_stats=True, samples=32)
+    plain = _evaluate(profile_path, samples=32)
+    stored = _evaluate(profile_path, samples=32, bias_correction="stored")
+    measured = _evaluate(
+        profile_path, samples=32, bias_correction="measured", calibration_data=CALIB
+    )
+    assert stored["bias_correction"] == {"mode": "stored", "regions": 5}
+    assert measured["bias_correction"] == {"mode": "empirical", "data": CALIB, "regions": 5}
+    assert "bias_correction" not in plain or not plain["bias_correction"]
+    for corrected_report in (stored, measured):
+        assert corrected_report["samples"] == plain["samples"] == 32
+        assert corrected_report["fp32_top1"] == plain["fp32_top1"]
+        assert corrected_report["output_sqnr_db"] != plain["output_sqnr_db"]
 
 
 def _quantized(profile: dict):
@@ -62,6 +82,7 @@ def _evaluate(profile_path, **options):
     return quantize.evaluate(request)
 
 
+@pytest.mark.zoo
 def test_corrections_move_biases_by_the_measured_shift(profile_path):
     qm = _quantized(json.loads(profile_path.read_text()))
     corrections = measure(qm, CALIB, samples=64)
@@ -78,6 +99,7 @@ def test_corrections_move_biases_by_the_measured_shift(profile_path):
     assert "bias_correction" not in qm.manifest()
 
 
+@pytest.mark.zoo
 def test_bias_correction_raises_the_output_sqnr(profile_path):
     plain = _evaluate(profile_path)
     fixed = _evaluate(profile_path, bias_correction="measured", calibration_data=CALIB)
@@ -87,6 +109,7 @@ def test_bias_correction_raises_the_output_sqnr(profile_path):
     assert fixed["int8_top1"] >= plain["int8_top1"] - 0.5
 
 
+@pytest.mark.zoo
 def test_a_corrected_build_records_its_correction(profile_path, tmp_path):
     request = BuildRequest(
         model=zoo_model("digits_cnn"),
@@ -106,6 +129,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+@pytest.mark.zoo
 def test_stored_corrections_point_where_the_measured_ones_do(profile_path):
     """The shift derived from the weights' rounding and the input means against the one
     measured on the same calibration data, per region. They differ by what the first-order
@@ -125,6 +149,7 @@ def test_stored_corrections_point_where_the_measured_ones_do(profile_path):
     assert last.float_region.clamp is None and cosines[last.output_id] > 0.98, cosines
 
 
+@pytest.mark.zoo
 def test_regions_without_stored_means_are_left_alone_and_reported(profile_path):
     """A region whose input entry lacks means (a profile merged from one without channel
     statistics drops them) gets no correction; the others still do."""
@@ -139,6 +164,7 @@ def test_regions_without_stored_means_are_left_alone_and_reported(profile_path):
     assert list(skipped) == [dense.name] and "/Flatten" in skipped[dense.name]
 
 
+@pytest.mark.zoo
 def test_stored_bias_correction_raises_the_output_sqnr(profile_path):
     plain = _evaluate(profile_path)
     fixed = _evaluate(profile_path, bias_correction="stored")
@@ -152,6 +178,7 @@ def _cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+@pytest.mark.zoo
 def test_a_stored_correction_build_from_the_cli(profile_path, tmp_path):
     result = _cli(
         "build", zoo_model("digits_cnn"), "--profile", profile_path, "--out", tmp_path,
@@ -162,6 +189,7 @@ def test_a_stored_correction_build_from_the_cli(profile_path, tmp_path):
     assert manifest["bias_correction"] == {"mode": "stored", "regions": 5}
 
 
+@pytest.mark.zoo
 def test_stored_correction_without_means_is_refused(plain_profile_path, tmp_path):
     """A profile made without --channel-stats, or a QPARAMS document: one line, exit 2."""
     model = zoo_model("digits_cnn")

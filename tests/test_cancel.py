@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,18 @@ from typer.testing import CliRunner
 from rangeprof.cli import app as cli
 from rangeprof.service.limits import Limits
 
-from conftest import zoo_model
+from conftest import poll_until, zoo_model
 from service_fixtures import BACKENDS, live_service, start_run, upload_model, wait_for_run
 
 runner = CliRunner()
 
 
 def _wait(api, path: str, status: str, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while (job := api.get(path).json())["status"] != status:
-        assert time.monotonic() < deadline, job
-        time.sleep(0.1)
-    return job
+    def reached() -> dict | None:
+        job = api.get(path).json()
+        return job if job["status"] == status else None
+
+    return poll_until(reached, timeout, what=lambda: api.get(path).json())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -89,23 +88,18 @@ def _job_processes() -> list[int]:
     return found
 
 
-def test_a_killed_job_process_fails_its_run_at_once(tmp_path):
-    """SIGKILL of the job's process (out of memory, say) while the worker lives: the run is
-    failed within seconds, saying so, and its scratch folder is gone."""
+def test_a_killed_job_process_fails_its_run_through_its_worker(tmp_path):
+    """SIGKILL of the job's process (out of memory, say) while the worker lives: its worker
+    fails the run itself, saying so (not the sweep of jobs without a heartbeat, a minute later),
+    and its scratch folder is gone."""
     with live_service("sqlite", tmp_path, Limits(), jobs=1) as live:
         model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
         run = start_run(live.owner, model, random=str(Limits().max_samples))["id"]
         _wait(live.owner, f"/api/runs/{run}", "running")
         # A claimed job is ``running`` a moment before its process starts: wait for the process.
-        deadline = time.monotonic() + 30
-        while not (children := _job_processes()):
-            assert time.monotonic() < deadline, "no job process started"
-            time.sleep(0.05)
-        (child,) = children
+        (child,) = poll_until(_job_processes, 30, 0.05, "a job process starts")
         os.kill(child, signal.SIGKILL)
-        killed = time.monotonic()
-        failed = _wait(live.owner, f"/api/runs/{run}", "failed", timeout=5)
-        assert time.monotonic() - killed < 5
+        failed = _wait(live.owner, f"/api/runs/{run}", "failed", timeout=30)
         assert failed["error"] == "the profiling process died (exit code -9)"
         assert list((live.storage / "tmp").iterdir()) == []
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tvm
 
-from rangeprof.profiler.build.schedules import host_target
+from rangeprof.profiler.compile.schedules import host_target
 from rangeprof.profiler.profiling.document import (
     ProfileError,
     load_profile,

@@ -34,7 +34,7 @@ from rangeprof.service.models import Layer, Model, Run, Token, utcnow
 from rangeprof.workflows.requests import ProfileRequest
 
 import onnx_builders as mb
-from conftest import zoo_model
+from conftest import poll_until, zoo_model
 from profile_builders import entry
 from service_fixtures import (
     BACKENDS,
@@ -94,13 +94,6 @@ def worst_first(layers: list[dict]) -> list[dict]:
     return sorted(layers, key=lambda e: (key(e["isolated_sqnr_db"]), key(e["accumulated_sqnr_db"])))
 
 
-def wait_until(condition, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
-
 # Fixtures
 
 
@@ -142,10 +135,12 @@ def digits(live, tmp_path_factory) -> Digits:
 
 def finished_evaluation(live: Live, evaluation_id: int) -> dict:
     path = f"/api/evaluations/{evaluation_id}"
-    wait_until(
-        lambda: live.owner.get(path).json()["status"] in ("done", "failed"), "evaluation runs"
-    )
-    evaluation = live.owner.get(path).json()
+
+    def ended() -> dict | None:
+        evaluation = live.owner.get(path).json()
+        return evaluation if evaluation["status"] in ("done", "failed") else None
+
+    evaluation = poll_until(ended, 120, 0.2, "the evaluation ends")
     assert evaluation["status"] == "done", evaluation["error"]
     return evaluation
 
@@ -487,7 +482,9 @@ def test_model_page_scales_default_to_the_x86_policy(tab, live, digits):
 
     asym_u8, sym_i8 = served(**X86_ACTIVATIONS), served(**X86_WEIGHTS)
     sym_u8 = served(scheme="sym", dtype="uint8")
-    assert served() == sym_i8  # the API's own default is symmetric int8, for every row
+    # The API's own default is the target's (x86) grid for each row's kind, as the page shows.
+    default = served()
+    assert default[activation] == asym_u8[activation] and default[weight] == sym_i8[weight]
     # The views differ where it is checked: a ReLU output (min 0) on the uint8 grid's 255 steps
     # or the symmetric 127; a weight's symmetric scale or its asymmetric one.
     for method in METHODS:
@@ -912,12 +909,13 @@ def test_run_page_evaluates_every_method_and_the_page_shows_them(tab, live, digi
     form.locator("[name=accuracy_budget]").fill("1")
     before = {e["id"] for e in live.owner.get(f"/api/runs/{run_id}/evaluations").json()}
     form.locator("button").click()
-    wait_until(
+    poll_until(
         lambda: (
             {e["id"] for e in live.owner.get(f"/api/runs/{run_id}/evaluations").json()} - before
         ),
+        30,
+        0.2,
         "the evaluation is queued",
-        timeout=30,
     )
     (evaluation_id,) = {
         e["id"] for e in live.owner.get(f"/api/runs/{run_id}/evaluations").json()
@@ -951,8 +949,9 @@ def _builds(live: Live, run_id: int) -> dict[int, dict]:
 
 
 def _new_build(live: Live, run_id: int, before: set[int]) -> int:
-    wait_until(lambda: set(_builds(live, run_id)) - before, "the build is queued", timeout=30)
-    (build_id,) = set(_builds(live, run_id)) - before
+    (build_id,) = poll_until(
+        lambda: set(_builds(live, run_id)) - before, 30, 0.2, "the build is queued"
+    )
     return build_id
 
 
@@ -1163,8 +1162,10 @@ def test_layer_table_api_searches_sorts_and_pages(backend_live):
     for row in first["rows"][:40]:
         tensor = profiled[row["profile_id"]]
         assert (row["min"], row["max"]) == (tensor["min"], tensor["max"])
+        static = tensor["kind"] == "weight" or tensor["static"]  # the x86 policy's grids
+        grid = X86_WEIGHTS if static else X86_ACTIVATIONS
         for method in METHODS:
-            expected = qparams_for(tensor, CalibrationOptions(method=method)).scale
+            expected = qparams_for(tensor, CalibrationOptions(method=method, **grid)).scale
             assert row["scales"][method] == expected
     asym = page(limit=3, scheme="asym", dtype="uint8")["rows"][1]
     options = CalibrationOptions(method="mse", scheme="asym", dtype="uint8")

@@ -191,13 +191,12 @@ def _rows(url: str) -> dict[str, list[dict]]:
         engine.dispose()
 
 
-def test_migrations_keep_every_row_both_ways(empty_db):
-    """Migrations that copy a table (SQLite) must not cascade-delete the rows referring to it;
-    0009 turns the option columns into requests and back."""
-    engine = make_engine(empty_db)
+def _rows_at_0006(url: str) -> None:
+    """The database at revision 0006 holding :data:`_ROWS_AT_0006`."""
+    engine = make_engine(url)
     try:
         with engine.connect() as connection:
-            config = alembic_config(empty_db)
+            config = alembic_config(url)
             config.attributes["connection"] = connection
             command.upgrade(config, "0006")
             connection.commit()
@@ -207,6 +206,12 @@ def test_migrations_keep_every_row_both_ways(empty_db):
                     connection.exec_driver_sql(f"INSERT INTO {table} {values}")
     finally:
         engine.dispose()
+
+
+def test_migrations_keep_every_row_both_ways(empty_db):
+    """Migrations that copy a table (SQLite) must not cascade-delete the rows referring to it;
+    0009 turns the option columns into requests and back."""
+    _rows_at_0006(empty_db)
     counts = {table: len(rows) for table, rows in _ROWS_AT_0006.items()}
     before = _rows(empty_db)
     assert row_counts(empty_db) == counts
@@ -250,18 +255,10 @@ def test_bias_correction_on_data_becomes_measured_and_back(empty_db):
     ``measured`` there and the data in ``calibration_data``; a downgrade moves it back."""
     spec = "calibration/calib.npz:calib"
     build = sa.table("build", sa.column("id"), sa.column("request", sa.JSON))
+    _rows_at_0006(empty_db)
+    command.upgrade(alembic_config(empty_db), "0009")
     engine = make_engine(empty_db)
     try:
-        with engine.connect() as connection:
-            config = alembic_config(empty_db)
-            config.attributes["connection"] = connection
-            command.upgrade(config, "0006")
-            connection.commit()
-        with engine.begin() as connection:
-            for table, rows in _ROWS_AT_0006.items():
-                for values in rows:
-                    connection.exec_driver_sql(f"INSERT INTO {table} {values}")
-        command.upgrade(alembic_config(empty_db), "0009")
         with engine.begin() as connection:
             request = connection.execute(select(build.c.request)).scalar()
             changed = {**request, "bias_correction": spec}

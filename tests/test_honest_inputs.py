@@ -141,7 +141,7 @@ def test_refused_before_compiling(tmp_path):
     data = np.tile(_calib(), (64, 1, 1, 1))
     data[250, 0, 0, 0] = np.inf
     np.save(tmp_path / "d.npy", data)
-    cache = rangeprof.profiler.build.cache.BuildCache(tmp_path / "cache")
+    cache = rangeprof.profiler.compile.cache.BuildCache(tmp_path / "cache")
     with pytest.raises(RangeprofError, match=r"sample 250 holds inf"):
         profile_model(zoo_model("digits_cnn"), str(tmp_path / "d.npy"), cache=cache)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())

@@ -2,7 +2,7 @@
 fallback for layers too sensitive for 8 bits).
 
 Each layer (NCHW conv2d with its own zero padding, or matmul, to int32) is built with
-``rangeprof.profiler.build.schedules.build`` for this machine and run; the int32 results must
+the integer kernels (``integer_build.build``) for this machine and run; the int32 results must
 equal numpy's int64 ones exactly, with activations at ±32767 and weights at ±127 where the sums
 are largest (still within int32, as the quantizer guarantees). Kernels for instruction sets
 this machine lacks are compiled and their assembly checked; those it has run too.
@@ -17,7 +17,9 @@ import pytest
 import tvm
 from tvm import relax
 
-from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.compile.schedules import host_target
+
+from integer_build import build
 
 VNNI = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})
 AVX512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})  # AVX-512 BW, no VNNI

@@ -29,6 +29,8 @@ from rangeprof.profiler.ir.tracking import track_model
 import onnx_builders as mb
 from conftest import SHARED, zoo_model
 
+NPU = npu.make_plugin(sram_kb=256)  # the default buffer, whatever the environment says
+
 
 def layers_model():
     """Every kernel shape the NPU runs, batch 2: a padded 3×3 conv of the raw (signed) input,
@@ -93,7 +95,7 @@ def x86_reference() -> Plugin:
     """The x86 plugin with the npu's policy, whose outputs the npu build's must equal: the
     same qparams and formulas, and every region output requantized (plain x86 leaves those
     that only FP32 operators read as scaled int32 accumulators)."""
-    return dataclasses.replace(get_plugin("x86"), policy=npu.PLUGIN.policy)
+    return dataclasses.replace(get_plugin("x86"), policy=NPU.policy)
 
 
 def _lowered(path, qparams: dict, plugin: Plugin, mode: str = INT8) -> tvm.IRModule:
@@ -124,12 +126,12 @@ def layers(tmp_path_factory):
     x = np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype("float32")
     reference = x86_reference()
     want = _run(reference.compile(_lowered(path, qparams, reference)), x)
-    return _lowered(path, qparams, npu.PLUGIN), x, want
+    return _lowered(path, qparams, NPU), x, want
 
 
 def test_plugin_registered():
     plugin = get_plugin("npu")
-    assert plugin is npu.PLUGIN and plugin.external == "rangeprof_npu"
+    assert plugin.name == "npu" and plugin.external == "rangeprof_npu"
     x86 = get_plugin("x86").policy
     assert (plugin.policy.activation_scheme, plugin.policy.activation_dtype) == ("asym", "uint8")
     assert plugin.policy.calibration() == x86.calibration()  # the same qparams as x86
@@ -150,9 +152,9 @@ def test_every_layer_equals_x86(layers):
     assert {op.strides for op in convs} == {(1, 1), (2, 2)}
     assert {op.dilation for op in convs} == {(1, 1), (2, 2)}
     assert any(op.weight.shape[2:] == (1, 1) for op in convs)
-    plans = npu.tile_plans(mod)
+    plans = npu.tile_plans(mod, sram_kb=256)
     assert all(p.tiles == p.images for p in plans.values())  # 256 KB: one tile per image
-    _assert_same(_run(npu.compile_npu(mod), x), want)
+    _assert_same(_run(npu.compile_npu(mod, sram_kb=256), x), want)
 
 
 def test_small_buffer_tiles_and_still_equals_x86(layers):
@@ -170,12 +172,18 @@ def test_small_buffer_tiles_and_still_equals_x86(layers):
 
 
 def test_buffer_size_from_environment(layers, monkeypatch):
+    """``get_plugin`` reads the size once, into the plugin; its code generation then reads the
+    plugin, not the environment."""
     mod, _, _ = layers
     monkeypatch.setenv("RANGEPROF_NPU_SRAM_KB", "1")
-    assert npu.tile_plans(mod) == npu.tile_plans(mod, sram_kb=1)
+    plugin = get_plugin("npu")
+    assert plugin.options == {"sram_kb": 1}
+    monkeypatch.setenv("RANGEPROF_NPU_SRAM_KB", "2")
+    plans = npu.tile_plans(mod, sram_kb=1)
+    assert plugin.describe(mod) == {symbol: plan.to_json() for symbol, plan in plans.items()}
     monkeypatch.setenv("RANGEPROF_NPU_SRAM_KB", "lots")
     with pytest.raises(RangeprofError, match="RANGEPROF_NPU_SRAM_KB"):
-        npu.tile_plans(mod)
+        get_plugin("npu")
 
 
 def test_export_library_round_trip(layers, tmp_path):
@@ -183,7 +191,7 @@ def test_export_library_round_trip(layers, tmp_path):
     executable = npu.compile_npu(mod, sram_kb=2)
     assert "c" in {m.kind for m in executable.mod.imports[0].imports}  # the C source module
     library = tmp_path / "model.so"
-    npu.PLUGIN.export(executable, library)
+    NPU.export(executable, library)
     loaded = tvm.runtime.load_module(str(library))
     _assert_same(_run(loaded, x), want)
 
@@ -193,7 +201,7 @@ def test_int8_activations_equal_x86(builder, shape, tmp_path):
     """Signed 8-bit activations (the other kernel variants) are as exact."""
     path = mb.save(builder(), tmp_path)
     qparams = synthetic_qparams(path, "int8")
-    mod = _lowered(path, qparams, npu.PLUGIN)
+    mod = _lowered(path, qparams, NPU)
     assert {read_core(f).in_dtype for f in offloaded(mod)} == {"int8"}
     x = np.random.default_rng(2).standard_normal(shape).astype("float32")
     reference = x86_reference()
@@ -210,7 +218,7 @@ def int16_layers(tmp_path_factory):
     x = np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype("float32")
     reference = x86_reference()
     want = _run(reference.compile(_lowered(path, qparams, reference, INT16)), x)
-    return _lowered(path, qparams, npu.PLUGIN, INT16), x, want
+    return _lowered(path, qparams, NPU, INT16), x, want
 
 
 def test_int16_layers_equal_x86(int16_layers):
@@ -231,7 +239,7 @@ def test_int16_layers_equal_x86(int16_layers):
     for plan in npu.tile_plans(mod, sram_kb=2).values():
         assert plan.tiles > plan.images, plan.to_json()
     _assert_same(_run(npu.compile_npu(mod, sram_kb=2), x), want)
-    _assert_same(_run(npu.compile_npu(mod), x), want)
+    _assert_same(_run(npu.compile_npu(mod, sram_kb=256), x), want)
 
 
 def test_int16_tiles_take_two_bytes_an_element(int16_layers):
@@ -260,11 +268,11 @@ def test_accuracy_budget_keeps_sensitive_layers_on_int16(digits_profile, tmp_pat
     it and its reader (``/Relu_1``, the worst layer) are widened; x86 hands an int16 layer
     its producer's int32 accumulator in FP32 and widens ``/Relu_1`` alone."""
     model = zoo_model("digits_cnn")
-    doc = qparams_from_profile(digits_profile, npu.PLUGIN, "max", 99.99)
+    doc = qparams_from_profile(digits_profile, NPU, "max", 99.99)
     for entry in doc["qparams"]:
         if entry["profile_id"] == "/Mul":
             entry["scale"] *= 80
-    qm = quantize_model(model, doc, npu.PLUGIN)
+    qm = quantize_model(model, doc, NPU)
     fitted = fit_budget(qm, f"{SHARED}/data/digits.npz:test", 0.5, samples=150)
     assert fitted.drop <= 0.5
     assert (fitted.kept_int16, fitted.kept_fp32) == (["/Mul", "/Relu_1"], [])
@@ -391,9 +399,9 @@ def test_non_canonical_core_is_a_clear_error(layers):
     canonical = next(f for _, f in mod.functions_items() if "Codegen" in (f.attrs or {}))
     bad = tvm.IRModule({"bad_int8": _with_rounding_off_by_one(canonical)})
     with pytest.raises(RangeprofError, match=r"rounding constant must be 2\^\(shift-1\)"):
-        npu.compile_npu(bad)
+        npu.compile_npu(bad, sram_kb=256)
     with pytest.raises(RuntimeError, match="rounding constant"):  # through RunCodegen too
-        relax.transform.RunCodegen()(bad)
+        relax.transform.RunCodegen({"rangeprof_npu": {"sram_kb": 256}})(bad)
 
 
 @pytest.mark.zoo
@@ -406,7 +414,7 @@ def test_digits_cnn_equals_x86(tmp_path):
     reference = x86_reference()
     want = reference.compile(_lowered(path, qparams, reference))
     library = tmp_path / "model.so"
-    npu.PLUGIN.export(npu.PLUGIN.compile(_lowered(path, qparams, npu.PLUGIN)), library)
+    NPU.export(NPU.compile(_lowered(path, qparams, NPU)), library)
     loaded = tvm.runtime.load_module(str(library))
     images = np.load(SHARED / "data" / "digits.npz")["test"][:4].astype("float32")
     for i in range(len(images)):

@@ -35,7 +35,8 @@ def test_the_wheel_holds_code_and_data(wheel):
         "rangeprof/cli.py",
         "rangeprof/workflows/quantize.py",
         "rangeprof/profiler/ir/onnx_load.py",
-        "rangeprof/profiler/build/schedules/conv2d.py",
+        "rangeprof/profiler/compile/schedules/conv2d.py",
+        "rangeprof/byoc/cpu/conv2d_int8.py",
         "rangeprof/profiler/schemas/profile.schema.json",
         "rangeprof/profiler/schemas/qparams.schema.json",
         "rangeprof/byoc/x86/__init__.py",
@@ -117,18 +118,54 @@ _LAYERS = {
 }
 
 
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """The absolute imports of ``path``: (line, module)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
 @pytest.mark.parametrize("folder", list(_LAYERS))
 def test_no_layer_imports_one_above_it(folder):
     allowed = _LAYERS[folder]
-    wrong = []
-    for path in sorted((REPO / folder).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            for name in names:
-                if name.split(".")[0] == "rangeprof" and not name.startswith(allowed):
-                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    wrong = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for line, name in _imports(path)
+        if name.split(".")[0] == "rangeprof" and not name.startswith(allowed)
+    ]
+    assert wrong == []
+
+
+# The pipeline's rooms, lowest first; each may import itself and the rooms before it: the errors
+# and the settings (modules), the IR, its compilation to CPU code, the profiling run, the
+# calibration from its statistics, the exports of profiles and qparams.
+_PIPELINE = ("errors", "settings", "ir", "compile", "profiling", "calibrate", "export")
+
+
+def _room_files(room: str) -> list[Path]:
+    folder = REPO / "profiler" / room
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
+
+
+def test_every_pipeline_module_is_in_a_room():
+    top = {p.stem for p in (REPO / "profiler").iterdir() if p.suffix == ".py" or p.is_dir()}
+    assert top - {"__init__", "__pycache__", "schemas"} == set(_PIPELINE)
+
+
+@pytest.mark.parametrize("room", _PIPELINE)
+def test_no_pipeline_room_imports_one_above_it(room):
+    below = _PIPELINE[: _PIPELINE.index(room) + 1]
+    allowed = tuple(f"rangeprof.profiler.{r}" for r in below)
+    wrong = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for path in _room_files(room)
+        for line, name in _imports(path)
+        if name.split(".")[0] == "rangeprof"
+        and not any(name == a or name.startswith(a + ".") for a in allowed)
+    ]
     assert wrong == []

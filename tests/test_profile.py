@@ -12,8 +12,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from rangeprof.profiler.build.executor import compile_program
-from rangeprof.profiler.build.schedules import build
+from rangeprof.profiler.compile.schedules import build
 from rangeprof.profiler.errors import InputShapeError
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model
@@ -24,6 +23,7 @@ from rangeprof.profiler.profiling.document import (
     tensors_bytes,
     validate,
 )
+from rangeprof.profiler.profiling.executor import compile_program
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 import onnx_builders as mb
@@ -156,7 +156,7 @@ def test_bad_data_is_rejected_by_the_cli(tmp_path):
 
 
 def test_second_run_reuses_the_build(tmp_path):
-    from rangeprof.profiler.build.cache import BuildCache
+    from rangeprof.profiler.compile.cache import BuildCache
 
     path = mb.save(mb.conv_bn_relu_scale(), tmp_path)
     cache = BuildCache(tmp_path / "cache")

@@ -290,7 +290,7 @@ def test_an_excluded_layer_stays_fp32(eight):
 
 
 def test_the_first_and_last_layers_can_stay_fp32(eight):
-    model, profile, _, test, labels = eight
+    model, profile, *_ = eight
     int8 = rangeprof.build(model, profile, first_last_fp32=True)
     modes = [r["mode"] for r in int8.manifest["regions"]]
     assert len(modes) > 2 and modes[0] == modes[-1] == "fp32"

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 from rangeprof.service.jobs import ray_setting
 from rangeprof.service.limits import Limits
 
-from conftest import SHARED, zoo_model
+from conftest import SHARED, poll_until, zoo_model
 from service_fixtures import live_service, start_run, upload_model, wait_for_run, write_calib
 
 DIGITS = SHARED / "data" / "digits.npz"
@@ -107,15 +106,16 @@ def _kill_workers(run, times: int) -> tuple[object, list[int]]:
     killed: list[int] = []
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(run)
-        # A bound on a hang, not a speed: the suite runs two test files at once (pytest-xdist),
-        # and a restarted Ray worker may wait more than a minute for a core on 2 vCPUs.
-        deadline = time.monotonic() + 180
-        while len(killed) < times and not future.done():
-            assert time.monotonic() < deadline, "no worker started a shard"
+
+        def killed_enough() -> bool:
             for pid in sorted(_profiling_workers() - set(killed))[: times - len(killed)]:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-            time.sleep(0.01)
+            return len(killed) >= times or future.done()
+
+        # A bound on a hang, not a speed: the suite runs two test files at once (pytest-xdist),
+        # and a restarted Ray worker may wait more than a minute for a core on 2 vCPUs.
+        poll_until(killed_enough, 180, 0.01, "a worker starts a shard")
         future.exception()  # wait for the end
     return future, killed
 

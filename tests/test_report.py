@@ -1,6 +1,7 @@
 """The static HTML report (``rangeprof.profiler.export.report``) on real profiles of digits_cnn
 and a real ``rangeprof evaluate --json``: scales on the target's grid, the data by its file name,
-and ppocr_cls's report under 1 MB."""
+and ppocr_cls's report under 1 MB. The default run has the smoke test of ``rangeprof report``;
+the rest is the zoo step's."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from rangeprof.profiler.export.report import MAX_BARS, X86_ACTIVATIONS, X86_WEIG
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
 from conftest import SHARED, zoo_model
-
-pytestmark = pytest.mark.zoo
 
 DASH = "\u2014"
 VOID = {"meta", "br", "hr", "img", "input", "link", "col", "wbr", "source", "area", "base"}
@@ -137,6 +136,29 @@ def page(report):
     return Page(report)
 
 
+def test_the_report_command_on_a_small_profile(tmp_path):
+    """``rangeprof report`` on a profile of 16 samples (the default run's smoke test): a
+    well-formed offline page with one row per tensor, in profile order, and the run's facts."""
+    data = SHARED / "data" / "digits.npz"
+    profile_path, html = tmp_path / "profile.json", tmp_path / "report.html"
+    runner = CliRunner()
+    model = str(zoo_model("digits_cnn"))
+    args = ["profile", model, "--data", f"{data}:calib", "--samples", "16", "--out", profile_path]
+    profiled = runner.invoke(app, [str(a) for a in args])
+    assert profiled.exit_code == 0, profiled.output
+    reported = runner.invoke(app, ["report", str(profile_path), "--out", str(html)])
+    assert reported.exit_code == 0, reported.output
+    text, profile = html.read_text(), json.loads(profile_path.read_text())
+    page = Page(text)
+    assert text.startswith("<!DOCTYPE html>") and page.errors == []
+    _hostile_free(text)
+    pids = [c["text"] for row in page.body_rows("tensors") for c in row if c["class"] == "pid"]
+    assert pids == [t["profile_id"] for t in profile["tensors"]]
+    assert "<dt>samples</dt><dd>16</dd>" in text
+    assert "<dt>data</dt><dd>digits.npz:calib</dd>" in text
+    assert len(page.svgs) == sum(1 for t in profile["tensors"] if t.get("histogram"))
+
+
 def _small(profile: dict, n: int = 4) -> dict:
     """The profile with its first ``n`` tensors only (rendering is dominated by entropy)."""
     doc = copy.deepcopy(profile)
@@ -144,6 +166,7 @@ def _small(profile: dict, n: int = 4) -> dict:
     return doc
 
 
+@pytest.mark.zoo
 def test_well_formed_and_offline(report, page):
     assert report.startswith("<!DOCTYPE html>") and report.endswith("</html>\n")
     assert page.errors == []
@@ -153,10 +176,12 @@ def test_well_formed_and_offline(report, page):
     _hostile_free(report)
 
 
+@pytest.mark.zoo
 def test_deterministic(profile, evaluation, report):
     assert render_report(copy.deepcopy(profile), copy.deepcopy(evaluation)) == report
 
 
+@pytest.mark.zoo
 def test_header(profile, report):
     model, run = profile["model"], profile["run"]
     head = report[: report.index("</header>")]
@@ -171,6 +196,7 @@ def test_header(profile, report):
     assert f"<dt>scales for</dt><dd>{grid}</dd>" in head
 
 
+@pytest.mark.zoo
 def test_the_data_is_named_by_its_file_name(profile):
     doc = _small(profile)
     doc["run"]["data"] = "/home/someone/secret place/calib.npz:calib,extra"
@@ -181,6 +207,7 @@ def test_the_data_is_named_by_its_file_name(profile):
     assert "<dt>data</dt><dd>images</dd>" in render_report(doc)
 
 
+@pytest.mark.zoo
 def test_the_default_grid_is_the_x86_policy_and_each_target_names_its_own(profile):
     policy = get_plugin("x86").policy
     assert (policy.calibration(), policy.weight_calibration()) == (X86_ACTIVATIONS, X86_WEIGHTS)
@@ -211,6 +238,7 @@ def _activation_options(method: str) -> CalibrationOptions:
     return replace(X86_ACTIVATIONS, method=method, percentile=99.99)
 
 
+@pytest.mark.zoo
 def test_layer_table_rows_and_scales(profile, page):
     tensors = profile["tensors"]
     header = page.header("tensors")
@@ -247,6 +275,7 @@ def _bar_runs(d: str) -> list[tuple[int, float]]:
     return [(int(v), float(w)) for v, w in re.findall(r"V(\d+)h([\d.]+)", d)]
 
 
+@pytest.mark.zoo
 def test_one_histogram_per_tensor_with_method_lines(profile, report, page):
     tensors = [t for t in profile["tensors"] if t["histogram"]]
     assert tensors and len(page.svgs) == len(tensors) == report.count("<svg")
@@ -270,6 +299,7 @@ def test_one_histogram_per_tensor_with_method_lines(profile, report, page):
         assert xs["max"] >= max(xs.values()) - 3
 
 
+@pytest.mark.zoo
 def test_evaluation_tables(profile, evaluation, report, page):
     layers = evaluation["layers"]
     assert layers
@@ -303,6 +333,7 @@ def test_evaluation_tables(profile, evaluation, report, page):
     assert matched == len(layers)
 
 
+@pytest.mark.zoo
 def test_exact_layers_rank_last_and_no_evaluation_no_columns(profile, evaluation):
     ev = copy.deepcopy(evaluation)
     ev["layers"].reverse()
@@ -320,6 +351,7 @@ def test_exact_layers_rank_last_and_no_evaluation_no_columns(profile, evaluation
     assert Page(plain).errors == []
 
 
+@pytest.mark.zoo
 def test_text_is_escaped(profile):
     doc = _small(profile)
     hostile = 'a<b>&"c/#:1'
@@ -337,6 +369,7 @@ def test_text_is_escaped(profile):
     assert page.svgs[0]["label"] == f"histogram of {hostile}"
 
 
+@pytest.mark.zoo
 def test_profile_without_histograms(model):
     doc = json.loads(
         json.dumps(profile_model(model, "random", options=ProfileOptions(bins=0, samples=4)))
@@ -367,6 +400,7 @@ def test_profile_without_histograms(model):
                 assert cell["text"] == DASH
 
 
+@pytest.mark.zoo
 def test_ppocr_cls_report_stays_under_a_megabyte(tmp_path):
     """663 tensors profiled on the 128 calibration lines: the report drew 3.1 MB of histograms
     at 200 bars each before they were reduced for display."""

@@ -17,7 +17,7 @@ import tvm
 from onnx import helper
 from tvm import relax
 
-from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.compile.schedules import build, host_target
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model, load_model_bytes
 from rangeprof.profiler.profiling.data import model_inputs, open_data
@@ -280,13 +280,13 @@ def test_float_mod_is_numpys_at_infinities_and_signed_zeros():
 def test_a_constant_first_operand_keeps_the_layout():
     """``scale · x`` with the constant first stays NHWC between the convs: the only transposes
     left are the input's and the output's (before: one on each side of the affine op)."""
-    from rangeprof.profiler.ir.passes.canonicalize import canonicalize
+    from rangeprof.profiler.ir.passes.canonicalize import Canonicalize
     from rangeprof.profiler.ir.stages import canonical_passes
 
     data = _affine_between_convs().SerializeToString()
     mod = import_onnx(load_model_bytes(data, "affine.onnx")).mod
     layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
-    passes = [*canonical_passes(), relax.transform.ConvertLayout(layouts), canonicalize]
+    passes = [*canonical_passes(), relax.transform.ConvertLayout(layouts), Canonicalize()]
     main = tvm.transform.Sequential(passes)(mod)["main"]
     calls = [b.value for block in main.body.blocks for b in block.bindings]
     ops = [str(c.op.name) for c in calls if isinstance(c, relax.Call)]
@@ -298,7 +298,7 @@ def test_a_dense_on_columns_no_vector_divides_is_padded_and_vectorised():
     sixteenth of its speed; padded to whole vectors of columns, the reduction is vectorised."""
     from tvm import s_tir
 
-    from rangeprof.profiler.build.schedules.dense import DENSE, legalize_matmul, schedule_dense
+    from rangeprof.profiler.compile.schedules.dense import DENSE, legalize_matmul, schedule_dense
 
     x = relax.Var("x", relax.TensorType((40, 24), "float32"))
     w = np.random.default_rng(9).normal(size=(24, 6625)).astype(np.float32)
@@ -325,7 +325,7 @@ def test_narrow_transposes_go_row_by_row_and_plain_elementwise_stays_vectorised(
     keeps its fused vector loop."""
     from tvm import s_tir, te, topi
 
-    from rangeprof.profiler.build.schedules.elementwise import schedule_generic
+    from rangeprof.profiler.compile.schedules.elementwise import schedule_generic
 
     x = te.placeholder((1, 3, 40, 50), "float32", name="x")
     image = topi.nn.pad(topi.transpose(x, [0, 2, 3, 1]), [0, 1, 1, 0], [0, 1, 1, 0], 0.5)
@@ -366,7 +366,7 @@ def test_elementwise_vectors_stay_within_rows_of_24_channels():
     and gather lane by lane), and the values unchanged."""
     from tvm import s_tir, te, topi
 
-    from rangeprof.profiler.build.schedules.elementwise import schedule_generic
+    from rangeprof.profiler.compile.schedules.elementwise import schedule_generic
 
     x = te.placeholder((1, 6, 7, 24), "float32", name="x")
     scaled = topi.transpose(topi.multiply(topi.transpose(x, [0, 3, 1, 2]), 3.0), [0, 2, 3, 1])
@@ -385,7 +385,7 @@ def test_per_tensor_quantize_leaves_its_layout_round_trip():
     """``ConvertLayout`` wraps quantize in NHWC → NCHW → NHWC transposes; a per-tensor one
     loses them (so it can fuse into its producer), a per-channel one (axis 1 of NCHW) keeps
     them, and the program computes the same either way."""
-    from rangeprof.profiler.build.schedules.prepare import untranspose_quantize
+    from rangeprof.byoc.cpu.prepare import untranspose_quantize
 
     shape = (1, 5, 6, 4)  # NHWC
     x = relax.Var("x", relax.TensorType(shape, "float32"))

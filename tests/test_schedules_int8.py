@@ -1,6 +1,6 @@
 """The INT8 build path: integer conv2d / dense kernels on the target's dot-product instruction.
 
-Each shape family is built with ``rangeprof.profiler.build.schedules.build`` for this machine and
+Each shape family is built with the integer kernels (``integer_build.build``) for this machine and
 run; integer results are compared exactly with numpy. Two forms per family: the bare 8-bit × int8 →
 int32 operator, and the layer as the quantization layer writes it (quantize, pad with the zero
 point, conv2d / matmul to int32, bias, int64 fixed-point requantization, zero point, clamp, uint8,
@@ -18,7 +18,9 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
-from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.compile.schedules import host_target
+
+from integer_build import build
 
 VNNI = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})
 AARCH64 = tvm.target.Target(
@@ -244,12 +246,14 @@ def test_columns_no_lanes_divide_run_on_the_dot_kernel():
     """37 columns: zero weight rows pad them to the widest lanes, the dense runs on the dot
     instruction's kernel and a copy drops the padding (before: TVM's scalar matmul, 12× slower
     on a text recognizer's 6625 classes)."""
-    from rangeprof.profiler.build.schedules.dense import COLUMNS
-    from rangeprof.profiler.build.schedules.dense_int8 import DENSE, legalize_matmul_int8
+    from rangeprof.byoc.cpu.dense_int8 import DENSE, legalize_matmul_int8
+    from rangeprof.byoc.x86.isa import ISA
+    from rangeprof.profiler.compile.schedules.dense import COLUMNS
 
     mod = _dense_case("37_columns_padded", "uint8", quantized=False)[0]
+    legalize = {"relax.matmul": lambda bb, call: legalize_matmul_int8(bb, call, ISA)}
     with host_target():
-        legalized = relax.transform.LegalizeOps({"relax.matmul": legalize_matmul_int8})(mod)
+        legalized = relax.transform.LegalizeOps(legalize)(mod)
     functions = legalized.functions_items()
     kernels = {gv.name_hint for gv, f in functions if isinstance(f, tirx.PrimFunc)}
     assert {DENSE, COLUMNS} <= kernels and "matmul" not in kernels, kernels
@@ -402,7 +406,7 @@ def test_unpadded_rgb_conv_takes_a_fourth_zero_channel():
     does) convolves a graph-padded 4-channel input with a zero fourth weight channel: no stage
     in its kernel. With padding of its own (its stage pads channels too) or 4 channels, the
     graph stays as it was. Results are exact either way."""
-    from rangeprof.profiler.build.schedules.prepare import pad_int8_channels
+    from rangeprof.byoc.cpu.prepare import pad_int8_channels
 
     def calls(mod, op):
         values = [b.value for blk in mod["main"].body.blocks for b in blk.bindings]

@@ -11,8 +11,8 @@ import pytest
 import tvm
 from tvm import relax, s_tir
 
-from rangeprof.profiler.build.schedules import build
-from rangeprof.profiler.build.schedules.normalization import lower_exp, schedule_normalization
+from rangeprof.profiler.compile.schedules import build
+from rangeprof.profiler.compile.schedules.normalization import lower_exp, schedule_normalization
 
 RTOL, ATOL = 1e-5, 1e-6
 

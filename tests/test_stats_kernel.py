@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tvm
 
-from rangeprof.profiler.build.schedules import host_target
+from rangeprof.profiler.compile.schedules import host_target
 from rangeprof.profiler.profiling.statistics import TensorStats, exact_units
 from rangeprof.profiler.profiling.stats_kernel import (
     Totals,

@@ -1,9 +1,10 @@
 """aarch64: INT8 code for ARMv8.2-A with the dot product (``sdot``), cross-compiled by LLVM and
 linked by ``aarch64-linux-gnu-g++``; here it runs under qemu-user.
 
-The integer cores are built by the fast CPU path (:mod:`rangeprof.profiler.build.schedules`) for
-:data:`AARCH64_TARGET`, with the same quantization policy as x86 so that the two targets'
-integer outputs agree bit for bit. Deployment and tests go through:
+The integer cores are built by the CPU build of the pipeline with the integer kernels of
+:mod:`rangeprof.byoc.cpu` for :data:`AARCH64_TARGET` (``sdot``: :mod:`.isa`), with the same
+quantization policy as x86 so that the two targets' integer outputs agree bit for bit.
+Deployment and tests go through:
 
 * :func:`export` — an executable built for :data:`AARCH64_TARGET` → an aarch64 ``.so``;
 * :func:`run_under_qemu` — runs that ``.so``'s ``main`` on numpy inputs under
@@ -15,11 +16,11 @@ integer outputs agree bit for bit. Deployment and tests go through:
 
 from __future__ import annotations
 
-from rangeprof.profiler.build.schedules import build
-
+from .. import cpu
 from ..patterns import pattern_table
 from ..plugin import Plugin
 from ..policy import POLICIES
+from .isa import ISA
 from .qemu import QemuRunError, run_under_qemu
 from .runtime import ensure_runtime, runtime_dir
 from .target import AARCH64_TARGET, export
@@ -40,12 +41,11 @@ __all__ = [
 
 
 def _compile(mod):
-    return build(mod, AARCH64_TARGET, fold_scales=False)
+    return cpu.build(mod, AARCH64_TARGET, ISA, fold_scales=False)
 
 
 PLUGIN = Plugin(
     name="aarch64",
-    description="INT8 conv2d / dense for ARMv8.2-A + dot product, cross-compiled (run: qemu-user)",
     policy=POLICIES["aarch64"],
     patterns=lambda: pattern_table("rangeprof_aarch64"),
     target=lambda: AARCH64_TARGET,

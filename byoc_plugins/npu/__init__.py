@@ -5,9 +5,11 @@ dilation and padding — and matmul) are functions marked ``Codegen: rangeprof_n
 (:mod:`.codegen`, registered on import as ``relax.ext.rangeprof_npu``) emits C for them: kernels
 of 8-bit or int16 activations by int8 weights with int32 accumulation, fixed-point
 requantization (int32 multiplier + shift), tiled to the on-chip buffer
-(:mod:`.tiling`; ``sram_kb`` or ``$RANGEPROF_NPU_SRAM_KB``, 256 KB by default). Everything else —
-the FP32 operators, quantize / dequantize at the region boundaries — is the host's, built by
-:func:`rangeprof.profiler.build.schedules.build`. Both land in one shared library.
+(:mod:`.tiling`), whose size the plugin holds: ``get_plugin("npu")`` reads
+``$RANGEPROF_NPU_SRAM_KB`` (256 KB by default) once, into the plugin (:func:`make_plugin`),
+which records it in the manifest. Everything else — the FP32 operators, quantize / dequantize
+at the region boundaries — is the host's, built as x86 builds it
+(:func:`rangeprof.byoc.x86.compile_host`). Both land in one shared library.
 
 The policy is x86's (asymmetric uint8 activations, symmetric per-channel int8 weights, so the
 same qparams), except that, being integer-only, the NPU requantizes every region output (to 8
@@ -24,23 +26,29 @@ int16 (integer-only), which the host dequantizes.
 
 from __future__ import annotations
 
+from functools import partial
+
 import tvm
 from tvm import relax
 
-from rangeprof.profiler.build.schedules import build, host_target
+from rangeprof.profiler.compile.schedules import host_target
+from rangeprof.profiler.settings import settings
 
 from ..patterns import pattern_table
 from ..plugin import Plugin
 from ..policy import POLICIES
+from ..x86 import compile_host
 from .codegen import NAME, c_program, sram_bytes, tile_plans
 
-__all__ = ["PLUGIN", "c_program", "compile_npu", "tile_plans"]
+__all__ = ["POLICY", "c_program", "compile_npu", "make_plugin", "tile_plans"]
+
+POLICY = POLICIES["npu"]
 
 
-def compile_npu(mod: tvm.IRModule, sram_kb: int | None = None) -> tvm.runtime.Executable:
+def compile_npu(mod: tvm.IRModule, sram_kb: int) -> tvm.runtime.Executable:
     """The lowered module (``lower(..., external="rangeprof_npu")``) as one executable: the NPU
-    regions as C (compiled on export or first run), the rest for the host CPU."""
-    sram_kb = sram_bytes(sram_kb) // 1024  # the argument, else the environment, else 256
+    regions as C for a buffer of ``sram_kb`` KB (compiled on export or first run), the rest for
+    the host CPU."""
     # Read and tile every core here first: a core the NPU cannot run fails with its own
     # error, not one wrapped by RunCodegen's C++ frame.
     tile_plans(mod, sram_kb)
@@ -48,22 +56,27 @@ def compile_npu(mod: tvm.IRModule, sram_kb: int | None = None) -> tvm.runtime.Ex
     # RunCodegen also lifts the cores' constants into the module for runtimes that take them
     # at load time; the C embeds them, so keeping them would store every weight twice.
     mod = mod.without_attr("const_name_to_constant")
-    return build(mod, host_target(), fold_scales=False)
+    return compile_host(mod)
 
 
-def describe(mod: tvm.IRModule) -> dict[str, dict]:
+def describe(mod: tvm.IRModule, sram_kb: int) -> dict[str, dict]:
     """Each offloaded region's tile plan, for the artifact's manifest."""
-    return {symbol: plan.to_json() for symbol, plan in tile_plans(mod).items()}
+    return {symbol: plan.to_json() for symbol, plan in tile_plans(mod, sram_kb).items()}
 
 
-PLUGIN = Plugin(
-    name="npu",
-    description="NPU-style accelerator: INT8 (INT16 where sensitive) conv2d / matmul as tiled C, "
-    "fixed-point requantize",
-    policy=POLICIES["npu"],
-    patterns=lambda: pattern_table(NAME),
-    target=host_target,
-    compile=compile_npu,
-    external=NAME,
-    describe=describe,
-)
+def make_plugin(sram_kb: int | None = None) -> Plugin:
+    """The npu plugin for an on-chip buffer of ``sram_kb`` KB, by default
+    ``$RANGEPROF_NPU_SRAM_KB`` read now (what ``get_plugin("npu")`` calls): its code generation
+    reads the size from the plugin, never from the environment."""
+    sram_kb = settings().npu_sram_kb if sram_kb is None else sram_kb
+    sram_bytes(sram_kb)  # a size no NPU has fails here, not in the build
+    return Plugin(
+        name="npu",
+        policy=POLICY,
+        patterns=lambda: pattern_table(NAME),
+        target=host_target,
+        compile=partial(compile_npu, sram_kb=sram_kb),
+        external=NAME,
+        describe=partial(describe, sram_kb=sram_kb),
+        options={"sram_kb": sram_kb},
+    )

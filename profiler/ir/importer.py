@@ -167,8 +167,35 @@ def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict)
 
 def import_onnx(loaded: LoadedModel) -> ImportedModel:
     """Imports a loaded ONNX model into Relax and tags every binding, input and weight."""
-    model = loaded.model
-    graph = model.graph
+    graph = loaded.model.graph
+    mod, tensors = _convert(loaded)
+    func = mod["main"]
+    owner = _claim_bindings(func, graph, tensors)
+    _check_static_shapes(func, owner)
+    # A binding of a bare Var (a graph output that is an Identity of another value) is a rename,
+    # not a computation: its lineage is that of the Var, and it gets no profileID of its own.
+    refs = [r for r in function_bindings("main", func) if not isinstance(r.value, relax.Var)]
+    tensor_of_var = _tensor_names(graph, tensors, refs)
+    per_node: dict[str, list[relax.Var]] = {}
+    for ref in refs:
+        if ref.var in owner:
+            per_node.setdefault(owner[ref.var], []).append(ref.var)
+    binding_ids, activations = _activation_layers(graph, refs, owner, per_node, tensor_of_var)
+    weight_ids = _weight_ids(graph, tensors)
+    layers = _input_layers(func) + activations + _weight_layers(func, weight_ids)
+    ids = [r.profile_id for r in layers]
+    if len(ids) != len(set(ids)):
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        raise AssertionError(f"profileIDs are not unique: {dupes}")
+    tagged = TagProfileIDs(binding_ids, weight_ids)(mod)
+    fates = _fates(loaded, tensors, per_node, binding_ids, weight_ids, layers, tensor_of_var)
+    return ImportedModel(loaded=loaded, mod=tagged, layers=layers, fates=fates)
+
+
+def _convert(loaded: LoadedModel) -> tuple[tvm.IRModule, dict]:
+    """The stock importer's module, through our converters, and the Relax value of every ONNX
+    tensor name."""
+    graph = loaded.model.graph
     importer = _TrackingImporter(dict(loaded.input_shapes), dict(loaded.input_dtypes), graph)
     # The stock importer prints the inputs of a node it fails on; the error we raise says it all.
     with contextlib.redirect_stdout(io.StringIO()):
@@ -176,49 +203,50 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
             mod = importer.from_onnx(graph, loaded.opset)
         except AssertionError as err:  # the frontend's checks of a converted node's outputs
             raise ConversionError(f"{loaded.name}: {_first_line(err)}") from err
-    func = mod["main"]
-    tensors = importer._nodes
+    return mod, importer._nodes
 
-    owner = _claim_bindings(func, graph, tensors)
-    _check_static_shapes(func, owner)
-    nodes = {n.name: n for n in graph.node}
+
+def _tensor_names(graph, tensors: dict, refs: list) -> dict[relax.Var, str]:
+    """The ONNX tensor each variable holds: a node's output, or a graph output."""
     tensor_of_var = {}
     for node in graph.node:
         for name in node.output:
             expr = tensors.get(name) if name else None
             if isinstance(expr, relax.Var):
                 tensor_of_var.setdefault(expr, name)
-
-    # A binding of a bare Var (a graph output that is an Identity of another value) is a rename,
-    # not a computation: its lineage is that of the Var, and it gets no profileID of its own.
-    refs = [r for r in function_bindings("main", func) if not isinstance(r.value, relax.Var)]
     # Graph outputs were bound by emit_output: find them by value.
     output_vars = {r.value: r.var for r in refs}
     for out in graph.output:
         expr = tensors.get(out.name)
         if expr in output_vars:
             tensor_of_var.setdefault(output_vars[expr], out.name)
+    return tensor_of_var
 
-    per_node: dict[str, list[relax.Var]] = {}
-    for ref in refs:
-        if ref.var in owner:
-            per_node.setdefault(owner[ref.var], []).append(ref.var)
 
-    binding_ids: dict[relax.Var, str] = {}
-    layers: list[LayerRecord] = []
-    for param in func.params:
-        layers.append(
-            LayerRecord(
-                profile_id=INPUT_PREFIX + str(param.name),
-                kind="input",
-                op="input",
-                source_node=None,
-                source_op=None,
-                source_tensor=str(param.name),
-                shape=tensor_shape(param.ty),
-                dtype=tensor_dtype(param.ty),
-            )
+def _input_layers(func: relax.Function) -> list[LayerRecord]:
+    return [
+        LayerRecord(
+            profile_id=INPUT_PREFIX + str(param.name),
+            kind="input",
+            op="input",
+            source_node=None,
+            source_op=None,
+            source_tensor=str(param.name),
+            shape=tensor_shape(param.ty),
+            dtype=tensor_dtype(param.ty),
         )
+        for param in func.params
+    ]
+
+
+def _activation_layers(
+    graph, refs: list, owner: dict, per_node: dict, tensor_of_var: dict
+) -> tuple[dict[relax.Var, str], list[LayerRecord]]:
+    """Each binding's profileID (its node's, numbered within the node; :data:`OUTPUT_ID` for
+    one no node claimed) and its record."""
+    nodes = {n.name: n for n in graph.node}
+    binding_ids: dict[relax.Var, str] = {}
+    layers = []
     for ref in refs:
         var = ref.var
         node_name = owner.get(var)
@@ -241,9 +269,13 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
                 dtype=tensor_dtype(var.ty),
             )
         )
+    return binding_ids, layers
 
-    weight_ids = _weight_ids(graph, tensors)
+
+def _weight_layers(func: relax.Function, weight_ids: dict) -> list[LayerRecord]:
+    """The records of the weights the function uses, by profileID."""
     used = _constants_used(func)
+    layers = []
     for const, profile_id in sorted(weight_ids.items(), key=lambda item: item[1]):
         if const in used:
             array = const.value.numpy()
@@ -259,13 +291,21 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
                     dtype=str(array.dtype),
                 )
             )
+    return layers
 
-    ids = [r.profile_id for r in layers]
-    if len(ids) != len(set(ids)):
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        raise AssertionError(f"profileIDs are not unique: {dupes}")
 
-    tagged = TagProfileIDs(binding_ids, weight_ids)(mod)
+def _fates(
+    loaded: LoadedModel,
+    tensors: dict,
+    per_node: dict,
+    binding_ids: dict,
+    weight_ids: dict,
+    layers: list[LayerRecord],
+    tensor_of_var: dict,
+) -> dict[str, str]:
+    """What became of the ONNX nodes and weights without a binding of their own: the load's
+    fates, then aliases of their input and values folded into a node's result."""
+    graph = loaded.model.graph
     result_id = {}  # node -> profileID of the binding that is its result
     for node_name, group in per_node.items():
         ids = node_binding_ids(node_name, len(group))
@@ -281,7 +321,7 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
         if profile_id not in listed:
             name = profile_id.removeprefix(WEIGHT_PREFIX)
             fates.setdefault(profile_id, _folded_fate(graph, [name], result_id))
-    return ImportedModel(loaded=loaded, mod=tagged, layers=layers, fates=fates)
+    return fates
 
 
 def _static(ty) -> bool:

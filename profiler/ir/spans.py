@@ -62,8 +62,3 @@ def with_ids(expr: relax.Expr, ids: Iterable[str]) -> relax.Expr:
     if isinstance(expr, tvm.ir.GenericConst):
         return tvm.ir.GenericConst(expr.value, expr.ty, span=span)
     return expr
-
-
-def add_ids(expr: relax.Expr, ids: Iterable[str]) -> relax.Expr:
-    """A copy of ``expr`` carrying its own profileIDs plus ``ids``."""
-    return with_ids(expr, ids_of(expr) | frozenset(ids))

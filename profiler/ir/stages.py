@@ -29,7 +29,7 @@ import tvm
 from tvm import relax
 
 from rangeprof.profiler.ir.lineage import StageReport, Tracked, stage_report
-from rangeprof.profiler.ir.passes.canonicalize import canonicalize, legalize_training_batch_norm
+from rangeprof.profiler.ir.passes.canonicalize import Canonicalize, LegalizeTrainingBatchNorm
 from rangeprof.profiler.ir.passes.equalize import CrossLayerEqualization
 from rangeprof.profiler.ir.passes.fold_scale_axis import FoldScaleAxis, ForwardFoldScaleAxis
 
@@ -47,19 +47,19 @@ def fold_scale_axis_passes(quantized: bool) -> list[tvm.transform.Pass]:
     dense quantizes the tensor it reads in the initial IR — the tensor the profile measured and
     every QDQ tool pairs — so a scale in front of it stays an FP32 operator (fused into the
     quantize) instead of moving into its weights and making it quantize the tensor before."""
-    return [ForwardFoldScaleAxis() if quantized else FoldScaleAxis(), canonicalize]
+    return [ForwardFoldScaleAxis() if quantized else FoldScaleAxis(), Canonicalize()]
 
 
-# Batch norms become per-channel constants, folded in numpy (``canonicalize``), then fold into
-# conv / dense weights, leaving one bias add per layer (``canonicalize`` again makes the biases
+# Batch norms become per-channel constants, folded in numpy (``Canonicalize``), then fold into
+# conv / dense weights, leaving one bias add per layer (``Canonicalize`` again makes the biases
 # full rank).
 CANONICAL = (
     StageSpec("equalize", lambda _: [CrossLayerEqualization()]),
     StageSpec(
         "simplify_inference",
-        lambda _: [legalize_training_batch_norm, relax.transform.DecomposeOpsForInference()],
+        lambda _: [LegalizeTrainingBatchNorm(), relax.transform.DecomposeOpsForInference()],
     ),
-    StageSpec("fold_constant", lambda _: [canonicalize]),
+    StageSpec("fold_constant", lambda _: [Canonicalize()]),
     StageSpec("fold_scale_axis", fold_scale_axis_passes),
 )
 PROFILED = "fold_constant"  # the last stage of the profiling build

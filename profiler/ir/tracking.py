@@ -1,6 +1,6 @@
 """Load, import, tag and run the tracked stages: what ``rangeprof inspect`` shows.
 
-The JSON document (``TrackedModel.to_json``) is documented in the README under "inspect --json".
+The JSON document (``TrackedModel.to_json``) is the lineage document of ``docs/formats.md``.
 """
 
 from __future__ import annotations

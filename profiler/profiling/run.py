@@ -18,14 +18,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from rangeprof.profiler.build.cache import BuildCache, cache_key
-from rangeprof.profiler.build.executor import (
-    Observed,
-    ProfilingProgram,
-    channel_axis,
-    compile_program,
-)
-from rangeprof.profiler.build.schedules import host_target
+from rangeprof.profiler.compile.cache import BuildCache, cache_key
+from rangeprof.profiler.compile.schedules import host_target
 from rangeprof.profiler.errors import InputShapeError
 from rangeprof.profiler.ir.importer import ImportedModel
 from rangeprof.profiler.ir.onnx_load import LoadedModel, ModelFacts, load_model
@@ -43,6 +37,12 @@ from rangeprof.profiler.profiling.data import (
     sample_batch,
 )
 from rangeprof.profiler.profiling.document import build_document
+from rangeprof.profiler.profiling.executor import (
+    Observed,
+    ProfilingProgram,
+    channel_axis,
+    compile_program,
+)
 from rangeprof.profiler.profiling.statistics import DEFAULT_BINS, TensorStats
 from rangeprof.profiler.profiling.stats_kernel import Totals
 

@@ -108,146 +108,235 @@ def stats_kernel(
     """The statistics kernel for tensors viewed as :func:`kernel_view` gives (see the module
     doc); with ``per_channel`` the view is ``(outer, C, inner)`` and per-channel ranges are
     computed too, with ``channel_sums`` also per-channel sums and counts."""
-    dims = [tirx.Var(f"d{i}", "int64") for i in range(3 if per_channel else 1)]
-    n = functools.reduce(lambda a, b: a * b, dims, tirx.const(1, "int64"))
-    work = "float64" if dtype == "float64" else "float32"  # min / max are exact in it
-    big = tirx.const(_MAX_FINITE[dtype], work)
-    inf = tirx.const(math.inf, work)
-    zero = tirx.const(0.0, "float64")
+    spec = _Spec(dtype, per_channel, bins, workers, channel_sums)
+    moments = _moments(spec, False), _moments(spec, True)
+    return _kernel(spec, *moments, _histogram(spec), _channel_ranges(spec))
 
-    def value(flat, i):
-        return T.Cast(work, flat[i])
 
-    def wide(flat, i):
+class _Spec:
+    """One kernel's parameters and what its passes share: the symbolic view, the working dtype
+    and its constants, the loop sizes of each pass, and the element readers the passes build
+    their expressions with."""
+
+    def __init__(self, dtype: str, per_channel: bool, bins: int, workers: int, channel_sums: bool):
+        self.dtype, self.per_channel, self.bins = dtype, per_channel, bins
+        self.workers, self.channel_sums = workers, channel_sums
+        self.dims = [tirx.Var(f"d{i}", "int64") for i in range(3 if per_channel else 1)]
+        self.n = functools.reduce(lambda a, b: a * b, self.dims, tirx.const(1, "int64"))
+        self.work = "float64" if dtype == "float64" else "float32"  # min / max are exact in it
+        self.big = tirx.const(_MAX_FINITE[dtype], self.work)
+        self.inf = tirx.const(math.inf, self.work)
+        self.zero = tirx.const(0.0, "float64")
+        # 1. moments: chunks of CHUNK values, 16 lanes each, then a scalar tail
+        self.groups = self.n // LANES
+        self.per_chunk = CHUNK // LANES
+        self.chunks = (self.groups + self.per_chunk - 1) // self.per_chunk
+        # 3. histogram: blocks of _BLOCK values; bins, then the non-finite column, in whole vectors
+        self.blocks = self.n // _BLOCK
+        self.padded = (bins // LANES + 1) * LANES
+        # 4. per-channel ranges over the [outer, C, inner] view, workers over `outer`
+        one = tirx.const(1, "int64")
+        self.outer, self.channels, self.inner = self.dims if per_channel else (one, one, one)
+        self.c_workers = T.max(T.int64(1), T.min(T.int64(workers), self.outer))
+        self.c_span = (self.outer + self.c_workers - 1) // self.c_workers
+        self.c0 = HEADER + bins
+        # per-channel sums and counts: (workers, channels) with channel_sums, a placeholder without
+        self.summed = self.channels if channel_sums else one
+        self.f_one = tirx.const(1.0, "float64")
+
+    def value(self, flat, i):
+        return T.Cast(self.work, flat[i])
+
+    def wide(self, flat, i):
         return T.Cast("float64", flat[i])
 
-    def finite(flat, i):
-        return T.abs(value(flat, i)) <= big
+    def finite(self, flat, i):
+        return T.abs(self.value(flat, i)) <= self.big
 
-    def finite_or(flat, i, other):
+    def finite_or(self, flat, i, other):
         # Select, not if_then_else: both sides are safe to compute, and it vectorises.
-        return T.Select(finite(flat, i), value(flat, i), other)
+        return T.Select(self.finite(flat, i), self.value(flat, i), other)
 
-    # --- 1. moments: chunks of CHUNK values, 16 lanes each, then a scalar tail --------------
-    groups = n // LANES
-    per_chunk = CHUNK // LANES
-    chunks = (groups + per_chunk - 1) // per_chunk
-
-    def moments(masked: bool):
-        @T.macro
-        def body(flat, out, part, loop):
-            for c in loop(chunks):
-                lo = T.alloc_buffer((LANES,), work)
-                hi = T.alloc_buffer((LANES,), work)
-                s = T.alloc_buffer((LANES,), "float64")
-                q = T.alloc_buffer((LANES,), "float64")
-                bad = T.alloc_buffer((2, LANES), "int32")  # NaN and inf counts
-                for lane in T.vectorized(LANES):
-                    lo[lane] = inf
-                    hi[lane] = -inf
-                    s[lane] = zero
-                    q[lane] = zero
-                    bad[0, lane] = 0
-                    bad[1, lane] = 0
-                for i in range(T.min(per_chunk, groups - c * per_chunk)):
-                    for lane in T.vectorized(LANES):
-                        if masked:
-                            lo[lane] = T.min(
-                                lo[lane], finite_or(flat, c * CHUNK + i * LANES + lane, inf)
-                            )
-                            hi[lane] = T.max(
-                                hi[lane], finite_or(flat, c * CHUNK + i * LANES + lane, -inf)
-                            )
-                            s[lane] = s[lane] + T.Select(
-                                finite(flat, c * CHUNK + i * LANES + lane),
-                                wide(flat, c * CHUNK + i * LANES + lane),
-                                zero,
-                            )
-                            q[lane] = q[lane] + T.Select(
-                                finite(flat, c * CHUNK + i * LANES + lane),
-                                wide(flat, c * CHUNK + i * LANES + lane)
-                                * wide(flat, c * CHUNK + i * LANES + lane),
-                                zero,
-                            )
-                            bad[0, lane] = bad[0, lane] + T.Cast(
-                                "int32", T.isnan(flat[c * CHUNK + i * LANES + lane])
-                            )
-                            bad[1, lane] = bad[1, lane] + T.Cast(
-                                "int32", T.isinf(flat[c * CHUNK + i * LANES + lane])
-                            )
-                        else:
-                            lo[lane] = T.min(lo[lane], value(flat, c * CHUNK + i * LANES + lane))
-                            hi[lane] = T.max(hi[lane], value(flat, c * CHUNK + i * LANES + lane))
-                            s[lane] = s[lane] + wide(flat, c * CHUNK + i * LANES + lane)
-                            q[lane] = q[lane] + wide(flat, c * CHUNK + i * LANES + lane) * wide(
-                                flat, c * CHUNK + i * LANES + lane
-                            )
-                for lane in T.vectorized(LANES):
-                    part[c, 0, lane] = T.Cast("float64", lo[lane])
-                    part[c, 1, lane] = T.Cast("float64", hi[lane])
-                    part[c, 2, lane] = s[lane]
-                    part[c, 3, lane] = q[lane]
-                    part[c, 4, lane] = T.Cast("float64", bad[0, lane])
-                    part[c, 5, lane] = T.Cast("float64", bad[1, lane])
-            for k in range(1, 7):
-                out[k] = zero
-            out[3] = T.Cast("float64", inf)
-            out[4] = T.Cast("float64", -inf)
-            for c, lane in T.grid(chunks, LANES):
-                out[1] = out[1] + part[c, 4, lane]
-                out[2] = out[2] + part[c, 5, lane]
-                out[3] = T.min(out[3], part[c, 0, lane])
-                out[4] = T.max(out[4], part[c, 1, lane])
-                out[5] = out[5] + part[c, 2, lane]
-                out[6] = out[6] + part[c, 3, lane]
-            for i in range(groups * LANES, n):
-                if finite(flat, i):
-                    out[3] = T.min(out[3], wide(flat, i))
-                    out[4] = T.max(out[4], wide(flat, i))
-                    out[5] = out[5] + wide(flat, i)
-                    out[6] = out[6] + wide(flat, i) * wide(flat, i)
-                elif T.isnan(flat[i]):
-                    out[1] = out[1] + T.float64(1)
-                else:
-                    out[2] = out[2] + T.float64(1)
-
-        return body
-
-    fast_moments, masked_moments = moments(False), moments(True)
-
-    # --- 2 and 3. canonical exponent, histogram ------------------------------------------------
-    blocks = n // _BLOCK
-    padded = (bins // LANES + 1) * LANES  # bins, then the non-finite column, in whole vectors
-
-    def exponent_bits(x):
-        """``frexp(x)[1] + 1022``: the biased exponent field of a normal float64."""
-        return T.bitwise_and(T.shift_right(T.reinterpret("int64", x), 52), T.int64(0x7FF))
-
-    def power_of_two(exponent):
-        return T.reinterpret("float64", T.shift_left(T.int64(1023) + exponent, 52))
-
-    def bin_of(flat, i, scale, offset, narrow=False):
+    def bin_of(self, flat, i, scale, offset, narrow=False):
+        """The histogram bin of element ``i`` (``bins``: the non-finite column)."""
+        work = self.work
         if narrow:
-            # In float32, where `narrow_bins` holds: the offset, the bin numbers and 2**-e are
+            # In float32, where `_narrow_bins` holds: the offset, the bin numbers and 2**-e are
             # float32-exact, so is x * 2**-e unless it falls below float32's normal range,
             # where only a negative x's floor can be wrong (rounded to -0 instead of -1).
-            scaled = T.floor(value(flat, i) * T.Cast(work, scale))
+            scaled = T.floor(self.value(flat, i) * T.Cast(work, scale))
             low = T.Select(
-                value(flat, i) < T.Cast(work, 0), T.min(scaled, T.Cast(work, -1)), scaled
+                self.value(flat, i) < T.Cast(work, 0), T.min(scaled, T.Cast(work, -1)), scaled
             )
             number = T.Cast("int32", low - T.Cast(work, offset))
         else:
-            number = T.Cast("int32", T.floor(wide(flat, i) * scale) - offset)
-        return T.Select(finite(flat, i), number, T.int32(bins))
+            number = T.Cast("int32", T.floor(self.wide(flat, i) * scale) - offset)
+        return T.Select(self.finite(flat, i), number, T.int32(self.bins))
 
-    def narrow_bins(exponent, offset, length):
-        """Whether float32 computes the bin numbers exactly: 2**-e a normal float32, bin numbers
-        (before the offset) integers of at most 24 bits."""
-        return tirx.all(
-            exponent >= -127,
-            exponent <= 126,
-            T.max(T.abs(offset), T.abs(offset + length)) <= T.float64(1 << 24),
-        )
+
+def _exponent_bits(x):
+    """``frexp(x)[1] + 1022``: the biased exponent field of a normal float64."""
+    return T.bitwise_and(T.shift_right(T.reinterpret("int64", x), 52), T.int64(0x7FF))
+
+
+def _power_of_two(exponent):
+    return T.reinterpret("float64", T.shift_left(T.int64(1023) + exponent, 52))
+
+
+def _narrow_bins(exponent, offset, length):
+    """Whether float32 computes the bin numbers exactly: 2**-e a normal float32, bin numbers
+    (before the offset) integers of at most 24 bits."""
+    return tirx.all(
+        exponent >= -127,
+        exponent <= 126,
+        T.max(T.abs(offset), T.abs(offset + length)) <= T.float64(1 << 24),
+    )
+
+
+def _kernel(spec: _Spec, fast_moments, masked_moments, histogram, channel_ranges) -> tirx.PrimFunc:
+    """The PrimFunc of the passes' macros: the moments (masked when a value is not finite),
+    then the histogram and the per-channel ranges, into the output layout of the module doc."""
+    dims, dtype, n, chunks = spec.dims, spec.dtype, spec.n, spec.chunks
+    bins, per_channel, zero = spec.bins, spec.per_channel, spec.zero
+
+    @T.prim_func(private=True, check_well_formed=False)  # the verifier predates s_tir blocks
+    def kernel(x_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
+        x = T.match_buffer(x_handle, dims, dtype)
+        length = T.int64()
+        out = T.match_buffer(out_handle, (length,), "float64")
+        # One opaque root block: Relax analyses expect a block-structured body.
+        with T.sblock("root"):
+            flat = T.decl_buffer((n,), dtype, data=x.data)
+            part = T.alloc_buffer((T.max(chunks, 1), 6, LANES), "float64")
+            out[0] = T.Cast("float64", n)
+            if n >= _PARALLEL_MIN:
+                fast_moments(flat, out, part, T.parallel)
+            else:
+                fast_moments(flat, out, part, T.serial)
+            if not (T.isfinite(out[5]) and T.isfinite(out[6])):  # a NaN or inf somewhere
+                masked_moments(flat, out, part, T.serial)
+            for k in range(7, length):
+                out[k] = zero
+            if bins > 0 and out[1] + out[2] < out[0]:  # some finite value to count
+                histogram(flat, out)
+            if per_channel:
+                channel_ranges(flat, out)
+
+    return kernel
+
+
+# --- 1. moments -----------------------------------------------------------------------------
+
+
+def _chunk_moments(spec: _Spec, masked: bool):
+    """The macro of pass 1 over whole chunks: each chunk's 16 lanes of min, max, sum, sum of
+    squares (and, ``masked``, of finite values only, with NaN and inf counts) into ``part``."""
+    work, inf, zero = spec.work, spec.inf, spec.zero
+    chunks, groups, per_chunk = spec.chunks, spec.groups, spec.per_chunk
+    value, wide, finite, finite_or = spec.value, spec.wide, spec.finite, spec.finite_or
+
+    @T.macro
+    def body(flat, part, loop):
+        for c in loop(chunks):
+            lo = T.alloc_buffer((LANES,), work)
+            hi = T.alloc_buffer((LANES,), work)
+            s = T.alloc_buffer((LANES,), "float64")
+            q = T.alloc_buffer((LANES,), "float64")
+            bad = T.alloc_buffer((2, LANES), "int32")  # NaN and inf counts
+            for lane in T.vectorized(LANES):
+                lo[lane] = inf
+                hi[lane] = -inf
+                s[lane] = zero
+                q[lane] = zero
+                bad[0, lane] = 0
+                bad[1, lane] = 0
+            for i in range(T.min(per_chunk, groups - c * per_chunk)):
+                for lane in T.vectorized(LANES):
+                    if masked:
+                        lo[lane] = T.min(
+                            lo[lane], finite_or(flat, c * CHUNK + i * LANES + lane, inf)
+                        )
+                        hi[lane] = T.max(
+                            hi[lane], finite_or(flat, c * CHUNK + i * LANES + lane, -inf)
+                        )
+                        s[lane] = s[lane] + T.Select(
+                            finite(flat, c * CHUNK + i * LANES + lane),
+                            wide(flat, c * CHUNK + i * LANES + lane),
+                            zero,
+                        )
+                        q[lane] = q[lane] + T.Select(
+                            finite(flat, c * CHUNK + i * LANES + lane),
+                            wide(flat, c * CHUNK + i * LANES + lane)
+                            * wide(flat, c * CHUNK + i * LANES + lane),
+                            zero,
+                        )
+                        bad[0, lane] = bad[0, lane] + T.Cast(
+                            "int32", T.isnan(flat[c * CHUNK + i * LANES + lane])
+                        )
+                        bad[1, lane] = bad[1, lane] + T.Cast(
+                            "int32", T.isinf(flat[c * CHUNK + i * LANES + lane])
+                        )
+                    else:
+                        lo[lane] = T.min(lo[lane], value(flat, c * CHUNK + i * LANES + lane))
+                        hi[lane] = T.max(hi[lane], value(flat, c * CHUNK + i * LANES + lane))
+                        s[lane] = s[lane] + wide(flat, c * CHUNK + i * LANES + lane)
+                        q[lane] = q[lane] + wide(flat, c * CHUNK + i * LANES + lane) * wide(
+                            flat, c * CHUNK + i * LANES + lane
+                        )
+            for lane in T.vectorized(LANES):
+                part[c, 0, lane] = T.Cast("float64", lo[lane])
+                part[c, 1, lane] = T.Cast("float64", hi[lane])
+                part[c, 2, lane] = s[lane]
+                part[c, 3, lane] = q[lane]
+                part[c, 4, lane] = T.Cast("float64", bad[0, lane])
+                part[c, 5, lane] = T.Cast("float64", bad[1, lane])
+
+    return body
+
+
+def _moments(spec: _Spec, masked: bool):
+    """The macro of pass 1: the chunks (:func:`_chunk_moments`), their lanes added in order into
+    the header, then the scalar tail."""
+    inf, zero, chunks, n, groups = spec.inf, spec.zero, spec.chunks, spec.n, spec.groups
+    wide, finite = spec.wide, spec.finite
+    chunk_moments = _chunk_moments(spec, masked)
+
+    @T.macro
+    def body(flat, out, part, loop):
+        chunk_moments(flat, part, loop)
+        for k in range(1, 7):
+            out[k] = zero
+        out[3] = T.Cast("float64", inf)
+        out[4] = T.Cast("float64", -inf)
+        for c, lane in T.grid(chunks, LANES):
+            out[1] = out[1] + part[c, 4, lane]
+            out[2] = out[2] + part[c, 5, lane]
+            out[3] = T.min(out[3], part[c, 0, lane])
+            out[4] = T.max(out[4], part[c, 1, lane])
+            out[5] = out[5] + part[c, 2, lane]
+            out[6] = out[6] + part[c, 3, lane]
+        for i in range(groups * LANES, n):
+            if finite(flat, i):
+                out[3] = T.min(out[3], wide(flat, i))
+                out[4] = T.max(out[4], wide(flat, i))
+                out[5] = out[5] + wide(flat, i)
+                out[6] = out[6] + wide(flat, i) * wide(flat, i)
+            elif T.isnan(flat[i]):
+                out[1] = out[1] + T.float64(1)
+            else:
+                out[2] = out[2] + T.float64(1)
+
+    return body
+
+
+# --- 2 and 3. canonical exponent, histogram -------------------------------------------------
+
+
+def _count_bins(spec: _Spec):
+    """The macro of pass 3's vector loop: bin indices a block at a time, counted into each
+    worker's ``_SPREAD`` private copies."""
+    padded, blocks, bin_of = spec.padded, spec.blocks, spec.bin_of
 
     @T.macro
     def count_bins(flat, counts, scale, offset, loop, count_workers, narrow):
@@ -265,6 +354,16 @@ def stats_kernel(
                         )
                 for j0, k in T.grid(_BLOCK // _SPREAD, _SPREAD):
                     counts[w, k, index[j0 * _SPREAD + k]] += 1
+
+    return count_bins
+
+
+def _histogram(spec: _Spec):
+    """The macro of passes 2 and 3: the canonical exponent, then the counts, merged."""
+    bins, workers, padded, blocks, n = spec.bins, spec.workers, spec.padded, spec.blocks, spec.n
+    work, zero, bin_of = spec.work, spec.zero, spec.bin_of
+    exponent_bits, power_of_two, narrow_bins = _exponent_bits, _power_of_two, _narrow_bins
+    count_bins = _count_bins(spec)
 
     @T.macro
     def histogram(flat, out):
@@ -313,19 +412,26 @@ def stats_kernel(
                 if b0 * LANES + lane < bins:
                     out[HEADER + b0 * LANES + lane] = T.Cast("float64", total[lane])
 
-    # --- 4. per-channel ranges over the [outer, C, inner] view, workers over `outer` ----------
-    one = tirx.const(1, "int64")
-    outer, channels, inner = dims if per_channel else (one, one, one)  # unused without channels
-    c_workers = T.max(T.int64(1), T.min(T.int64(workers), outer))
-    c_span = (outer + c_workers - 1) // c_workers
-    c0 = HEADER + bins
-    # per-channel sums and counts: (workers, channels) with channel_sums, a placeholder without
-    summed = channels if channel_sums else one
-    f_one = tirx.const(1.0, "float64")
+    return histogram
+
+
+# --- 4. per-channel ranges ------------------------------------------------------------------
+
+
+def _channel_rows(spec: _Spec):
+    """The macro of pass 4 where channels are innermost: per block of rows, each group of
+    ``lanes`` channels is reduced in registers."""
+    work, inf, zero, f_one = spec.work, spec.inf, spec.zero, spec.f_one
+    outer, channels, c_span, channel_sums = (
+        spec.outer,
+        spec.channels,
+        spec.c_span,
+        spec.channel_sums,
+    )
+    wide, finite, finite_or = spec.wide, spec.finite, spec.finite_or
 
     @T.macro
     def channel_rows(flat, lo, hi, sm, ct, w, lanes):
-        # Per block of rows, each group of `lanes` channels is reduced in registers.
         for r0 in range((T.min(c_span, outer - w * c_span) + _ROWS - 1) // _ROWS):
             for g in range(channels // lanes):
                 rlo = T.alloc_buffer((lanes,), work)
@@ -365,6 +471,17 @@ def stats_kernel(
                         sm[w, g * lanes + lane] = rsm[lane]
                         ct[w, g * lanes + lane] = rct[lane]
 
+    return channel_rows
+
+
+def _channel_worker(spec: _Spec):
+    """The macro of pass 4 for one worker's rows: in registers (:func:`_channel_rows`) when the
+    channels are innermost and fill whole vectors, else a scalar loop."""
+    inf, zero, f_one, channel_sums = spec.inf, spec.zero, spec.f_one, spec.channel_sums
+    outer, channels, inner, c_span = spec.outer, spec.channels, spec.inner, spec.c_span
+    wide, finite, finite_or = spec.wide, spec.finite, spec.finite_or
+    channel_rows = _channel_rows(spec)
+
     @T.macro
     def channel_worker(flat, lo, hi, sm, ct, w):
         for cc in range(channels):
@@ -396,6 +513,15 @@ def stats_kernel(
                             finite(flat, (o * channels + cc) * inner + ii), f_one, zero
                         )
 
+    return channel_worker
+
+
+def _channel_ranges(spec: _Spec):
+    """The macro of pass 4: every worker's rows (:func:`_channel_worker`), merged in order."""
+    work, inf, zero, n, channel_sums = spec.work, spec.inf, spec.zero, spec.n, spec.channel_sums
+    channels, c_workers, c0, summed = spec.channels, spec.c_workers, spec.c0, spec.summed
+    channel_worker = _channel_worker(spec)
+
     @T.macro
     def channel_ranges(flat, out):
         lo = T.alloc_buffer((c_workers, channels), work)
@@ -423,31 +549,7 @@ def stats_kernel(
                     out[c0 + 2 * channels + cc] = out[c0 + 2 * channels + cc] + sm[w, cc]
                     out[c0 + 3 * channels + cc] = out[c0 + 3 * channels + cc] + ct[w, cc]
 
-    @T.prim_func(private=True, check_well_formed=False)  # the verifier predates s_tir blocks
-    def kernel(x_handle: T.handle, out_handle: T.handle):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
-        x = T.match_buffer(x_handle, dims, dtype)
-        length = T.int64()
-        out = T.match_buffer(out_handle, (length,), "float64")
-        # One opaque root block: Relax analyses expect a block-structured body.
-        with T.sblock("root"):
-            flat = T.decl_buffer((n,), dtype, data=x.data)
-            part = T.alloc_buffer((T.max(chunks, 1), 6, LANES), "float64")
-            out[0] = T.Cast("float64", n)
-            if n >= _PARALLEL_MIN:
-                fast_moments(flat, out, part, T.parallel)
-            else:
-                fast_moments(flat, out, part, T.serial)
-            if not (T.isfinite(out[5]) and T.isfinite(out[6])):  # a NaN or inf somewhere
-                masked_moments(flat, out, part, T.serial)
-            for k in range(7, length):
-                out[k] = zero
-            if bins > 0 and out[1] + out[2] < out[0]:  # some finite value to count
-                histogram(flat, out)
-            if per_channel:
-                channel_ranges(flat, out)
-
-    return kernel
+    return channel_ranges
 
 
 def decode(

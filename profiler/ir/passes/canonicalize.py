@@ -9,7 +9,7 @@ operators.
   ``ConvertLayout`` at that add, so constants of a binary op get leading unit axes up to the rank
   of the other operand.
 * **Constants second** in a commutative op (``ConvertLayout`` follows the first operand).
-* **Batch norms in training mode** legalized first (:data:`legalize_training_batch_norm`).
+* **Batch norms in training mode** legalized first (:class:`LegalizeTrainingBatchNorm`).
 * **A take of one constant index as a slice** (it fuses; a gather does not).
 * **Stack as a concat** of ``expand_dims``, **dropout as its inference value** (the input and
   a mask of ones), **squeeze axes counted from the front**: TVM's layout inference for these
@@ -181,14 +181,16 @@ def _take_as_slice(call: relax.Call, index: int) -> relax.Call:
 
 
 @tvm.transform.module_pass(opt_level=0, name="Canonicalize")
-def canonicalize(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+class Canonicalize:
     """Numpy constant folding, full-rank binary constants, ``Clip`` as operators, and the
     rewrites of operators TVM cannot lay out or lower (stack, dropout, squeeze, cosh, sinh)."""
-    mod = mod.clone()  # the caller's module stays as it was
-    for gvar, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            mod[gvar] = _Canonicalize(mod).visit_expr(func)
-    return relax.transform.DeadCodeElimination()(mod)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was
+        for gvar, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function):
+                mod[gvar] = _Canonicalize(mod).visit_expr(func)
+        return relax.transform.DeadCodeElimination()(mod)
 
 
 _BATCH_NORM = tvm.ir.Op.get("relax.nn.batch_norm")
@@ -205,15 +207,17 @@ class _TrainingBatchNorm(relax.PyExprMutator):
 
 
 @tvm.transform.module_pass(opt_level=0, name="LegalizeTrainingBatchNorm")
-def legalize_training_batch_norm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+class LegalizeTrainingBatchNorm:
     """Batch norms in training mode (ONNX ``training_mode=1``: batch statistics, updated running
     statistics) as TVM's own legalization computes them, before ``DecomposeOpsForInference``
     rewrites every batch norm as an inference one."""
-    mod = mod.clone()
-    for gvar, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            mutator = _TrainingBatchNorm(mod)
-            visited = mutator.visit_expr(func)
-            mod = mutator.builder_.get()  # with the legalized PrimFuncs
-            mod[gvar] = visited
-    return mod
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()
+        for gvar, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function):
+                mutator = _TrainingBatchNorm(mod)
+                visited = mutator.visit_expr(func)
+                mod = mutator.builder_.get()  # with the legalized PrimFuncs
+                mod[gvar] = visited
+        return mod

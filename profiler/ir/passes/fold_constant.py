@@ -154,10 +154,12 @@ class _FoldConstant(ConstantFolder):
 
 
 @tvm.transform.module_pass(opt_level=0, name="FoldConstantNumpy")
-def fold_constant_numpy(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+class FoldConstantNumpy:
     """Folds constant calls of the ops numpy computes as TVM does (see the module's doc)."""
-    mod = mod.clone()  # the caller's module stays as it was (stage reports compare the two)
-    for gvar, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            mod[gvar] = _FoldConstant(mod).visit_expr(func)
-    return relax.transform.DeadCodeElimination()(mod)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was (stage reports compare the two)
+        for gvar, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function):
+                mod[gvar] = _FoldConstant(mod).visit_expr(func)
+        return relax.transform.DeadCodeElimination()(mod)
