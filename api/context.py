@@ -108,6 +108,13 @@ def done_run(session: Session, owner: int, run_id: int) -> Run:
     return run
 
 
+def require_done(job, kind: str, job_id: int) -> None:
+    """409 unless the evaluation or build ``job`` is done (queued, running, failed, cancelled)."""
+    if job.status != "done":
+        why = f": {job.error}" if job.error else ""
+        raise HTTPException(status.HTTP_409_CONFLICT, f"{kind} {job_id} is {job.status}{why}")
+
+
 def check_queue(session: Session, owner: int, limits: Limits) -> None:
     """429 while the token already has its limit of jobs waiting for a worker."""
     waiting = [

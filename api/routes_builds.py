@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Form, HTTPException, Request, status
+from fastapi import APIRouter, Depends, Form, Request, status
 from fastapi.responses import FileResponse
 from pydantic import ValidationError
 from sqlalchemy import select
@@ -16,7 +16,16 @@ from rangeprof.workflows.requests import BuildRequest
 from . import catalog
 from .auth import Owner
 from .catalog import ARTIFACT_SUFFIX
-from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
+from .context import (
+    RetriedReads,
+    ServiceDep,
+    cancelled,
+    check_queue,
+    done_run,
+    not_found,
+    own_run,
+    require_done,
+)
 from .job_requests import (
     ARTIFACT_FOLDER,
     PROFILE_FILE,
@@ -232,11 +241,7 @@ def get_artifact(service: ServiceDep, owner: Owner, build_id: ObjectId) -> FileR
     them to its ``--out`` folder."""
     with service.db.read() as session:
         build = _own_build(session, owner, build_id)
-        if build.status != "done":
-            why = f": {build.error}" if build.error else ""
-            raise HTTPException(
-                status.HTTP_409_CONFLICT, f"build {build_id} is {build.status}{why}"
-            )
+        require_done(build, "build", build_id)
         name = f"{build.model.name}-{build.request.target}-build{build.id}.zip"
         path = service.store.path(build.artifact_sha256, ARTIFACT_SUFFIX)
     return FileResponse(path, media_type="application/zip", filename=name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Form, HTTPException, status
+from fastapi import APIRouter, Form, status
 from fastapi.responses import Response
 from sqlalchemy import select
 
@@ -16,7 +16,16 @@ from rangeprof.workflows.requests import EvaluateRequest
 
 from . import catalog
 from .auth import Owner
-from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, not_found, own_run
+from .context import (
+    RetriedReads,
+    ServiceDep,
+    cancelled,
+    check_queue,
+    done_run,
+    not_found,
+    own_run,
+    require_done,
+)
 from .documents import load_profile, zipped
 from .job_requests import PROFILE_FILE, calibration_data, job_request, model_file, npz_ref
 from .limits import check_run_options
@@ -227,11 +236,7 @@ def evaluation_overlays(service: ServiceDep, owner: Owner, evaluation_id: Object
     writes."""
     with service.db.read() as session:
         evaluation = _own_evaluation(session, owner, evaluation_id)
-        if evaluation.status != "done":
-            why = f": {evaluation.error}" if evaluation.error else ""
-            raise HTTPException(
-                status.HTTP_409_CONFLICT, f"evaluation {evaluation_id} is {evaluation.status}{why}"
-            )
+        require_done(evaluation, "evaluation", evaluation_id)
         run = evaluation.run
         doc = load_profile(session, run)
         model = service.store.path(run.model.sha256, catalog.MODEL_SUFFIX)

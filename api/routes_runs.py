@@ -17,12 +17,22 @@ from rangeprof.workflows.profiling import (
     calibration_options,
     evaluation_report,
     render_export,
+    report_html,
 )
 from rangeprof.workflows.requests import ProfileRequest
 
 from . import catalog
 from .auth import Owner
-from .context import RetriedReads, ServiceDep, cancelled, check_queue, done_run, own_model, own_run
+from .context import (
+    RetriedReads,
+    ServiceDep,
+    cancelled,
+    check_queue,
+    done_run,
+    own_model,
+    own_run,
+    require_done,
+)
 from .documents import load_profile, tensor_rows, zipped
 from .drift import tensor_drift
 from .job_requests import job_request, model_file
@@ -247,11 +257,7 @@ def _evaluation(session, run_id: int, evaluation_id: int | None) -> dict | None:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND, f"evaluation {evaluation_id} of run {run_id} not found"
         )
-    if evaluation.status != "done":
-        why = f": {evaluation.error}" if evaluation.error else ""
-        raise HTTPException(
-            status.HTTP_409_CONFLICT, f"evaluation {evaluation_id} is {evaluation.status}{why}"
-        )
+    require_done(evaluation, "evaluation", evaluation_id)
     return evaluation_report(evaluation.report)
 
 
@@ -266,21 +272,10 @@ def report_run(
     """The static HTML report ``rangeprof report`` writes of the run's profile: its ranges, the
     scales the target uses (``target``; by default the evaluation's, else x86), histograms and,
     with a done evaluation of the run (``evaluation``), the per-layer error."""
-    from rangeprof.byoc.policy import POLICIES
-    from rangeprof.profiler.export.report import render_report
-
     with service.db.read() as session:
         doc = load_profile(session, done_run(session, owner, run_id))
         evaluation = _evaluation(session, run_id, query.evaluation)
-    target = query.target or (evaluation or {}).get("target") or "x86"
-    policy = POLICIES[target]
-    html = render_report(
-        doc,
-        evaluation,
-        target=target,
-        activations=policy.calibration(),
-        weights=policy.weight_calibration(),
-    )
+    html = report_html(doc, evaluation, query.target)
     name = f"{doc['model']['name']}.run{run_id}.report.html"
     return HTMLResponse(html, headers={"Content-Disposition": f'inline; filename="{name}"'})
 

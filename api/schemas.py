@@ -13,11 +13,12 @@ from typing import Annotated, Any, Literal
 from fastapi import Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
+# The report the service takes as an upload is the pipeline's record.
+from rangeprof.byoc.reports import EvaluationReport  # noqa: F401
 from rangeprof.profiler.export.formats import FORMATS, MODEL_FORMATS
 from rangeprof.workflows.options import (
     CalibrationOptions,
     Dtype,
-    Method,
     ProfileOptions,
     QuantizeOptions,
     Scheme,
@@ -380,35 +381,6 @@ class EvaluationRequest(QuantizeOptions):
     labels_key: str = Field(
         None, description="The labels' array: in `labels`, or without it in `data`."
     )
-
-
-class EvaluatedLayer(BaseModel):
-    profile_id: str
-    region: str
-    pattern: str
-    mode: str
-    isolated_sqnr_db: float | None = Field(description="null: exact (no error).")
-    accumulated_sqnr_db: float | None
-    isolated_rmse_per_scale: float
-    accumulated_rmse_per_scale: float
-
-
-class EvaluationReport(BaseModel):
-    """The object ``rangeprof evaluate --json`` prints."""
-
-    model_config = ConfigDict(extra="allow")
-
-    method: Method
-    target: Target
-    weight_bits: int = Field(8, description="Absent in reports made before: 8.")
-    samples: int = Field(ge=1)
-    agreement: float
-    output_sqnr_db: float | None
-    fp32_top1: float | None = None
-    int8_top1: float | None = None
-    layers: list[EvaluatedLayer] = Field(description="Worst isolated SQNR first.")
-    kept_fp32: list[str] = []
-    kept_int16: list[str] = Field([], description="Absent in reports made before: none.")
 
 
 class NpzRef(BaseModel):

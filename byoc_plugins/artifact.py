@@ -14,11 +14,11 @@ tile plan), the library's sha256 and the timings.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 
 from .evaluate import region_mode
+from .manifest import Manifest
 from .quantized import QuantizedModel
 
 LIBRARY = "model.so"
@@ -64,5 +64,5 @@ def build_artifact(
             "export_s": round(time.perf_counter() - compiled, 3),
         },
     )
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (out_dir / MANIFEST).write_text(Manifest.model_validate(manifest).dumps())
     return manifest

@@ -356,24 +356,14 @@ def report(
     """One static HTML file, openable offline: the per-layer table with the scales the target
     uses, histograms with each calibration method's clipping range, and the per-layer error of
     an evaluation."""
-    from rangeprof.byoc.plugin import get_plugin
-    from rangeprof.profiler.export.report import render_report
     from rangeprof.profiler.profiling.document import load_profile
-    from rangeprof.workflows.profiling import evaluation_report
+    from rangeprof.workflows.profiling import evaluation_report, report_html
 
     try:
         _check_out(out)
         doc = load_profile(profile_path)
         measured = None if evaluation is None else evaluation_report(evaluation)
-        target = target or (measured or {}).get("target") or "x86"
-        policy = get_plugin(target).policy
-        html = render_report(
-            doc,
-            measured,
-            target=target,
-            activations=policy.calibration(),
-            weights=policy.weight_calibration(),
-        )
+        html = report_html(doc, measured, target)
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, html)

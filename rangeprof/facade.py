@@ -21,7 +21,6 @@ bounds and help): an unknown or invalid one is a :class:`RangeprofError` naming 
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import weakref
@@ -32,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rangeprof.profiler.calibrate.records import QParamsDocument
 from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.profiling.records import ProfileDocument
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -126,26 +127,33 @@ class TensorProfile:
 
 @dataclass(frozen=True)
 class QParams:
-    """Quantization parameters by profileID (the QPARAMS document of ``rangeprof calibrate``)."""
+    """Quantization parameters by profileID (the QPARAMS document of ``rangeprof calibrate``):
+    ``record`` is the typed document (a dict given is read into one)."""
 
-    document: dict
+    record: QParamsDocument
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.record, QParamsDocument):
+            object.__setattr__(self, "record", QParamsDocument.from_json(self.record))
+
+    @property
+    def document(self) -> dict:
+        """The QPARAMS document (a new dict each time)."""
+        return self.record.to_json()
 
     def __repr__(self) -> str:
-        options = self.document["options"]
-        made = ", ".join(str(options[k]) for k in ("method", "target") if options.get(k))
+        options = self.record.options
+        made = ", ".join(str(v) for v in (options.method, options.target) if v)
         return (
-            f"<QParams {made}, {options['scheme']} {options['dtype']}: "
-            f"{len(self.document['qparams'])} tensors>"
+            f"<QParams {made}, {options.scheme} {options.dtype}: "
+            f"{len(self.record.qparams)} tensors>"
         )
 
     def __getitem__(self, profile_id: str) -> dict:
-        for record in self.document["qparams"]:
-            if record["profile_id"] == profile_id:
-                return record
-        raise KeyError(profile_id)
+        return self.record[profile_id].to_json()
 
     def to_json(self) -> str:
-        return json.dumps(self.document, indent=1)
+        return self.record.dumps()
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -153,38 +161,44 @@ class QParams:
 
 @dataclass(frozen=True)
 class Profile:
-    """A profile: every tensor's statistics by profileID, with the model's lineage."""
+    """A profile: every tensor's statistics by profileID, with the model's lineage. ``record``
+    is the typed document (a dict given is read into one)."""
 
-    document: dict
+    record: ProfileDocument
     tensors: dict[str, TensorProfile] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from rangeprof.profiler.profiling.statistics import TensorStats
 
+        if not isinstance(self.record, ProfileDocument):
+            object.__setattr__(self, "record", ProfileDocument.from_json(self.record))
         tensors = {
-            entry["profile_id"]: TensorProfile(
-                entry["profile_id"],
-                entry["kind"],
-                entry["op"],
-                entry["source_node"],
-                entry["shape"],
-                entry["dtype"],
-                TensorStats.from_json(entry),
+            entry.profile_id: TensorProfile(
+                entry.profile_id,
+                entry.kind,
+                entry.op,
+                entry.source_node,
+                entry.shape,
+                entry.dtype,
+                TensorStats.from_json(entry.to_json()),
             )
-            for entry in self.document["tensors"]
+            for entry in self.record.tensors
         }
         object.__setattr__(self, "tensors", tensors)
 
+    @property
+    def document(self) -> dict:
+        """The profile document (a new dict each time)."""
+        return self.record.to_json()
+
     def __repr__(self) -> str:
-        name, samples = self.document["model"]["name"], self.document["run"]["samples"]
+        name, samples = self.record.model.name, self.record.run.samples
         return f"<Profile {name}: {len(self.tensors)} tensors, {samples} samples>"
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         """A profile JSON file (``rangeprof profile --out``), checked against its schema."""
-        from rangeprof.profiler.profiling.document import load_profile
-
-        return cls(load_profile(path))
+        return cls(ProfileDocument.from_json(Path(path)))
 
     def calibrate(self, **options: Any) -> QParams:
         """Qparams from the stored statistics, the document ``rangeprof calibrate`` writes and a
@@ -196,7 +210,7 @@ class Profile:
         from rangeprof.workflows.profiling import calibrate_profile
 
         chosen = _validated(CalibrationOptions, options)
-        return QParams(calibrate_profile(self.document, chosen))
+        return QParams(QParamsDocument.model_validate(calibrate_profile(self.record, chosen)))
 
     def export(
         self,
@@ -223,7 +237,7 @@ class Profile:
         profiling.write_export(Path(path), exported)
 
     def to_json(self) -> str:
-        return json.dumps(self.document, indent=1)
+        return self.record.dumps()
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -430,34 +444,33 @@ def _labels(labels, metric) -> tuple[str | None, np.ndarray | None]:
 
 
 def _quantize_request(
-    kind: type[BaseModel],
-    model: Model,
-    ranges: Profile | QParams,
-    folder: Path,
-    options: BaseModel,
-    **fields: Any,
+    kind: type[BaseModel], model: Model, ranges: Profile | QParams, options: BaseModel, **fields
 ):
-    """The build or evaluation request of ``model`` with ``ranges`` (saved in ``folder`` as the
-    document they are) and the validated ``options``."""
-    if not isinstance(ranges, Profile | QParams):
-        raise RangeprofError(f"ranges of type {type(ranges).__name__}: give a Profile or QParams")
-    document = folder / ("profile.json" if isinstance(ranges, Profile) else "qparams.json")
-    ranges.save(document)
+    """The build or evaluation request of ``model`` with ``ranges`` (held in memory: the
+    request names them :data:`~rangeprof.workflows.quantize.HELD`) and the validated
+    ``options``."""
+    from rangeprof.workflows.quantize import HELD
+
     source = "profile" if isinstance(ranges, Profile) else "qparams"
-    common = {"model": model.path, source: document, "input_shapes": model.input_shapes}
+    common = {"model": model.path, source: HELD, "input_shapes": model.input_shapes}
     return _validated(kind, {**common, **options.model_dump(), **fields})
 
 
-def _held_data(data, labels, calibration_data, metric):
-    """The request's data fields and what the Python API holds in memory instead of files."""
+def _held_data(ranges: Profile | QParams, data, labels, calibration_data, metric):
+    """The request's data fields and what the Python API holds in memory instead of files:
+    the data and the ``ranges``."""
     from rangeprof.workflows.quantize import Held
 
+    if not isinstance(ranges, Profile | QParams):
+        raise RangeprofError(f"ranges of type {type(ranges).__name__}: give a Profile or QParams")
     if metric is not None and not callable(metric):
         raise RangeprofError(f"metric: {type(metric).__name__} is not callable")
     (data_spec, data), (labels_spec, labels) = _held(data), _labels(labels, metric)
     calibration_spec, calibration = _held(calibration_data)
     fields = {"data": data_spec, "labels": labels_spec, "calibration_data": calibration_spec}
-    return fields, Held(data, labels, calibration, metric)
+    profile = ranges.record if isinstance(ranges, Profile) else None
+    qparams = ranges.record if isinstance(ranges, QParams) else None
+    return fields, Held(data, labels, calibration, metric, profile, qparams)
 
 
 def build(
@@ -490,15 +503,12 @@ def build(
     if metric is not None and chosen.accuracy_budget is None:
         raise RangeprofError("metric: a build measures it for an accuracy_budget alone")
     model = _model(model)
-    fields, held = _held_data(data, labels, calibration_data, metric)
+    fields, held = _held_data(ranges, data, labels, calibration_data, metric)
     temporary = out is None
     folder = Path(tempfile.mkdtemp(prefix="rangeprof-int8-")) if temporary else Path(out)
     try:
-        with tempfile.TemporaryDirectory(prefix="rangeprof-ranges-") as scratch:
-            request = _quantize_request(
-                BuildRequest, model, ranges, Path(scratch), chosen, out=folder, **fields
-            )
-            manifest = quantize.build(request, held=held)
+        request = _quantize_request(BuildRequest, model, ranges, chosen, out=folder, **fields)
+        manifest = quantize.build(request, held=held)
     except BaseException:
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)
@@ -536,10 +546,9 @@ def evaluate(
     model = _model(model)
     if data is None:
         raise RangeprofError("data: an evaluation runs data")
-    fields, held = _held_data(data, labels, calibration_data, metric)
-    with tempfile.TemporaryDirectory(prefix="rangeprof-evaluate-") as scratch:
-        request = _quantize_request(EvaluateRequest, model, ranges, Path(scratch), chosen, **fields)
-        return quantize.evaluate(request, held=held)
+    fields, held = _held_data(ranges, data, labels, calibration_data, metric)
+    request = _quantize_request(EvaluateRequest, model, ranges, chosen, **fields)
+    return quantize.evaluate(request, held=held)
 
 
 def quantize(

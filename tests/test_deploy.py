@@ -38,7 +38,7 @@ assert "tvm" in sys.modules
 
 def _block(language: str) -> str:
     """The guide's one code block in ``language``."""
-    (block,) = re.findall(rf"```{language}\n(.*?)```", GUIDE.read_text(), re.S)
+    (block,) = re.findall(rf"```{language}(?: [^\n]*)?\n(.*?)```", GUIDE.read_text(), re.S)
     return block
 
 

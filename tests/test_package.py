@@ -141,10 +141,10 @@ def test_no_layer_imports_one_above_it(folder):
     assert wrong == []
 
 
-# The pipeline's rooms, lowest first; each may import itself and the rooms before it: the errors
-# and the settings (modules), the IR, its compilation to CPU code, the profiling run, the
-# calibration from its statistics, the exports of profiles and qparams.
-_PIPELINE = ("errors", "settings", "ir", "compile", "profiling", "calibrate", "export")
+# The pipeline's rooms, lowest first; each may import itself and the rooms before it: the errors,
+# the typed records' base and the settings (modules), the IR, its compilation to CPU code, the
+# profiling run, the calibration from its statistics, the exports of profiles and qparams.
+_PIPELINE = ("errors", "records", "settings", "ir", "compile", "profiling", "calibrate", "export")
 
 
 def _room_files(room: str) -> list[Path]:

@@ -21,6 +21,7 @@ from tvm import relax
 from rangeprof.profiler.compile.cache import BuildCache, cache_key
 from rangeprof.profiler.compile.schedules import host_target
 from rangeprof.profiler.errors import InputShapeError
+from rangeprof.profiler.ir.fates import ALIASES, Fate
 from rangeprof.profiler.ir.importer import ImportedModel
 from rangeprof.profiler.ir.onnx_load import LoadedModel, ModelFacts, load_model
 from rangeprof.profiler.ir.passes.equalize import NAME as EQUALIZATION
@@ -213,9 +214,10 @@ def graph_outputs(loaded: LoadedModel, imported: ImportedModel) -> dict[str, str
     found = {}
     for output in graph.output:
         profile_id = by_tensor.get(output.name)
-        fate = imported.fates.get(producer.get(output.name, ""), "")
-        if profile_id is None and fate.startswith("aliases:"):
-            profile_id = fate.removeprefix("aliases:")
+        fate = imported.fates.get(producer.get(output.name, ""))
+        fate = None if fate is None else Fate.parse(fate)
+        if profile_id is None and fate is not None and fate.kind == ALIASES:
+            profile_id = fate.target
         if profile_id is not None:
             found[output.name] = profile_id
     return found

@@ -16,6 +16,7 @@ from .requests import CalibrateRequest, ExportRequest, InspectRequest, ProfileRe
 
 if TYPE_CHECKING:
     from rangeprof.profiler.calibrate.methods import CalibrationOptions as Options
+    from rangeprof.profiler.profiling.records import ProfileDocument
 
     from .options import CalibrationOptions
 
@@ -93,11 +94,14 @@ def calibration_options(
     return activations, policy.weight_calibration(given.get("granularity"))
 
 
-def calibrate_profile(profile: dict, options: CalibrationOptions) -> dict:
-    """The QPARAMS document of ``profile`` with ``options``, which records their target:
-    the document a build on that target derives itself from the same profile and method."""
+def calibrate_profile(profile: dict | ProfileDocument, options: CalibrationOptions) -> dict:
+    """The QPARAMS document of ``profile`` (a document or its record) with ``options``, which
+    records their target: the document a build on that target derives itself from the same
+    profile and method."""
     from rangeprof.profiler.calibrate.methods import calibrate as derive
 
+    if not isinstance(profile, dict):
+        profile = profile.to_json()
     activations, weights = calibration_options(options)
     return derive(profile, activations, weights=weights, target=options.target)
 
@@ -226,3 +230,23 @@ def write_export(out: Path, exported: Exported) -> None:
             out.write_text(exported)
     except OSError as err:
         raise RangeprofError(f"{out}: cannot write: {err.strerror}") from None
+
+
+def report_html(profile: dict, evaluation: dict | None = None, target: str | None = None) -> str:
+    """The static HTML report of ``profile`` (and ``evaluation``, a report of ``rangeprof
+    evaluate --json``), its scales on ``target``'s grids: by default the evaluation's target,
+    else x86's."""
+    from rangeprof.byoc.policy import POLICIES
+    from rangeprof.profiler.export.report import render_report
+
+    target = target or (evaluation or {}).get("target") or "x86"
+    if target not in POLICIES:
+        raise RangeprofError(f"unknown target {target!r}; expected one of {', '.join(POLICIES)}")
+    policy = POLICIES[target]
+    return render_report(
+        profile,
+        evaluation,
+        target=target,
+        activations=policy.calibration(),
+        weights=policy.weight_calibration(),
+    )

@@ -10,12 +10,16 @@ import glob
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rangeprof.profiler.errors import RangeprofError
 
 from .options import EVERY_METHOD, STORED, CalibrationOptions
 from .requests import BuildRequest, EvaluateRequest, QuantizeRequest
+
+if TYPE_CHECKING:
+    from rangeprof.profiler.calibrate.records import QParamsDocument
+    from rangeprof.profiler.profiling.records import ProfileDocument
 
 Progress = Callable[[str, int, int], None]
 
@@ -23,13 +27,21 @@ Progress = Callable[[str, int, int], None]
 @dataclass(frozen=True)
 class Held:
     """What the Python API holds in memory in place of a request's files: the evaluation
-    ``data``, its ``labels`` and the ``calibration_data`` as arrays (``None``: the request's
-    file), and a ``metric(outputs, labels)`` of the evaluation and its budget."""
+    ``data``, its ``labels`` and the ``calibration_data`` as arrays, the ``profile`` or the
+    ``qparams`` as records (``None``: the request's file), and a ``metric(outputs, labels)`` of
+    the evaluation and its budget. The request still names its source of qparams, ``profile``
+    or ``qparams``: as :data:`HELD`."""
 
     data: Any = None
     labels: Any = None
     calibration_data: Any = None
     metric: Callable | None = None
+    profile: ProfileDocument | None = None
+    qparams: QParamsDocument | None = None
+
+
+# What a request records as its profile or qparams when they are held in memory.
+HELD = "(in memory)"
 
 
 def _evaluation_data(request: QuantizeRequest, held: Held):
@@ -58,51 +70,59 @@ def read_labels(spec: str | None):
     return labels
 
 
-def _profile(request: QuantizeRequest) -> dict | None:
-    """The request's profile, read and checked once (None: the qparams are a QPARAMS document);
-    stored bias correction needs its per-channel means."""
-    from rangeprof.profiler.profiling.document import load_profile
+def _profile(request: QuantizeRequest, held: Held) -> ProfileDocument | None:
+    """The request's profile, held or read and checked once (None: the qparams are a QPARAMS
+    document); stored bias correction needs its per-channel means."""
+    from rangeprof.profiler.profiling.records import ProfileDocument
 
     if request.profile is None:
         return None
-    profile = load_profile(request.profile)
-    if request.bias_correction == STORED and not profile["run"]["options"].get("channel_stats"):
+    profile = held.profile or ProfileDocument.from_json(request.profile)
+    if request.bias_correction == STORED and not profile.run.options.channel_stats:
+        source = "the profile" if held.profile else request.profile
         raise RangeprofError(
-            f"--bias-correction stored: {request.profile} has no per-channel means "
+            f"--bias-correction stored: {source} has no per-channel means "
             "(profile with --channel-stats)"
         )
     return profile
 
 
-def _ranges(request: QuantizeRequest, profile: dict | None) -> Callable[[str], dict]:
-    """``qparams(method)``: the request's QPARAMS document, read and checked for its target,
-    or derived from its ``profile`` with the target's policy — the document ``rangeprof
-    calibrate --target`` writes; either file is read once, however many methods ask."""
-    from rangeprof.profiler.calibrate.methods import read_qparams
+def _ranges(
+    request: QuantizeRequest, profile: ProfileDocument | None, held: Held
+) -> Callable[[str], QParamsDocument]:
+    """``qparams(method)``: the request's QPARAMS document, held or read, and checked for its
+    target, or derived from its ``profile`` with the target's policy — the document
+    ``rangeprof calibrate --target`` writes; either file is read once, however many methods
+    ask."""
+    from rangeprof.profiler.calibrate.records import QParamsDocument
 
     from .profiling import calibrate_profile
 
     if profile is not None:
-        return lambda method: calibrate_profile(
-            profile,
-            CalibrationOptions(target=request.target, method=method, percentile=request.percentile),
+        return lambda method: QParamsDocument.model_validate(
+            calibrate_profile(
+                profile,
+                CalibrationOptions(
+                    target=request.target, method=method, percentile=request.percentile
+                ),
+            )
         )
-    document = read_qparams(request.qparams)
+    document = held.qparams or QParamsDocument.from_json(request.qparams)
     _check_target(document, request.target)
     return lambda method: document
 
 
-def _check_target(document: dict, target: str) -> None:
+def _check_target(document: QParamsDocument, target: str) -> None:
     """A QPARAMS document the target's kernels cannot run exactly is refused before any work:
     their activations are 8-bit and per tensor; weights are the target's own, whatever the
     document says of them."""
-    options = document["options"]
-    if options["dtype"] not in ("int8", "uint8"):
+    options = document.options
+    if options.dtype not in ("int8", "uint8"):
         raise RangeprofError(
-            f"the qparams' activations are {options['dtype']}: {target} runs 8-bit activations "
+            f"the qparams' activations are {options.dtype}: {target} runs 8-bit activations "
             f"(calibrate with --target {target})"
         )
-    made_for = options.get("target")
+    made_for = options.target
     if made_for is not None and made_for != target:
         raise RangeprofError(
             f"the qparams were calibrated for target {made_for}, not {target} "
@@ -110,16 +130,20 @@ def _check_target(document: dict, target: str) -> None:
         )
 
 
-def _quantized(request: QuantizeRequest, qparams: dict, plugin):
+def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin):
     from rangeprof.byoc.quantized import quantize_model
 
-    qm = quantize_model(request.model, qparams, plugin, request.input_shapes, request.fp32_fallback)
+    document = qparams.to_json()
+    qm = quantize_model(
+        request.model, document, plugin, request.input_shapes, request.fp32_fallback
+    )
     return _replanned(request, qm, qparams)
 
 
-def _replanned(request: QuantizeRequest, qm, qparams: dict):
+def _replanned(request: QuantizeRequest, qm, qparams: QParamsDocument):
     """``qm`` planned from ``qparams`` with the request's exclusions; with
     ``first_last_fp32`` the first and last regions that would be quantized too."""
+    qparams = qparams.to_json()  # the pipeline's regions read the document
     exclude = request.exclude
     if request.first_last_fp32:
         planned = qm.replanned(qparams, request.fp32_fallback, exclude)
@@ -147,7 +171,7 @@ def _host(plugin, request: QuantizeRequest, qm, qparams):
 def _bias_corrections(
     request: QuantizeRequest,
     measured,
-    profile: dict | None,
+    profile: ProfileDocument | None,
     progress: Progress | None,
     compiled: dict | None = None,
     held: Held = Held(),
@@ -158,7 +182,7 @@ def _bias_corrections(
     from rangeprof.byoc.bias_correction import derive, measure
 
     if request.bias_correction == STORED:
-        corrections, skipped = derive(measured, profile)
+        corrections, skipped = derive(measured, profile.to_json())
         record = {"mode": STORED, "regions": len(corrections)}
         return corrections, record | ({"skipped": skipped} if skipped else {})
     data = request.calibration_data if held.calibration_data is None else held.calibration_data
@@ -178,8 +202,8 @@ def build(request: BuildRequest, progress: Progress | None = None, held: Held = 
     report = progress or (lambda phase, done, total: None)
     plugin = get_plugin(request.target, request.weight_bits)
     report("quantizing", 0, 3)
-    profile = _profile(request)
-    qparams = _ranges(request, profile)(request.method)
+    profile = _profile(request, held)
+    qparams = _ranges(request, profile, held)(request.method)
     qm = _quantized(request, qparams, plugin)
     measured = _host(plugin, request, qm, qparams)
     compiled: dict = {}  # the FP32 program serves bias correction and the budget
@@ -223,8 +247,8 @@ def evaluate(
     data, labels = _evaluation_data(request, held)
     results, qm = [], None
     compiled: dict = {}  # the FP32 program serves every method
-    profile = _profile(request)
-    ranges = _ranges(request, profile)
+    profile = _profile(request, held)
+    ranges = _ranges(request, profile, held)
     corrections: dict[str, dict] = {}  # each method's bias correction record
     for method in methods:
         qparams = ranges(method)
@@ -234,7 +258,7 @@ def evaluate(
             qm = _replanned(request, qm, qparams)
         if request.bias_correction is not None:
             qm = corrected(qm, *_bias_corrections(request, qm, profile, progress, compiled, held))
-            corrections[qparams["options"]["method"]] = qm.bias_correction
+            corrections[qparams.options.method] = qm.bias_correction
         if request.accuracy_budget is None:
             result = run_evaluation(
                 qm, data, labels, request.samples, progress=progress, compiled=compiled,
@@ -245,7 +269,15 @@ def evaluate(
                 qm, data, request.accuracy_budget, labels, request.samples, progress,
                 compiled, held.metric,
             )  # fmt: skip
-        results.append((qparams["options"]["method"], result.to_json()))
+        results.append((qparams.options.method, result.to_json()))
+    return _report(request, results, corrections)
+
+
+def _report(request: EvaluateRequest, results: list[tuple[str, dict]], corrections: dict) -> dict:
+    """The report (:class:`~rangeprof.byoc.reports.EvaluationReport`) of the best of each
+    method's ``results`` (the metric, else top-1, else agreement, then SQNR), the others listed;
+    ``corrections``: each method's bias correction record."""
+    from rangeprof.byoc.reports import EvaluationReport, MethodResult
 
     def rank(item):
         _, doc = item
@@ -253,21 +285,18 @@ def evaluate(
         return (score, doc["output_sqnr_db"] or math.inf)
 
     best_method, best = max(results, key=rank)
-    report = {
-        "method": best_method,
-        "target": request.target,
-        "weight_bits": request.weight_bits,
-        **best,
-    }
+    report = EvaluationReport.model_validate(
+        {"method": best_method, "target": request.target, "weight_bits": request.weight_bits} | best
+    )
     if request.bias_correction is not None:
-        report["bias_correction"] = corrections[best_method]
-    report["methods"] = [
-        {
-            "method": name,
-            "output_sqnr_db": doc["output_sqnr_db"],
-            "agreement": doc["agreement"],
+        report.bias_correction = corrections[best_method]
+    report.methods = [
+        MethodResult(
+            method=name,
+            output_sqnr_db=doc["output_sqnr_db"],
+            agreement=doc["agreement"],
             **{k: doc[k] for k in ("int8_top1", "int8_metric") if k in doc},
-        }
+        )
         for name, doc in results
     ]
-    return report
+    return report.to_json()

@@ -1,0 +1,80 @@
+"""The manifest of a build typed: :class:`Manifest` and one :class:`RegionRecord` per region
+(:mod:`.artifact` says what a build writes); reading one needs no TVM. Manifests written
+before load: keys these records do not name are kept, after the named ones."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from rangeprof.profiler.calibrate.records import CalibrationRecord
+from rangeprof.profiler.records import Number, Record
+
+
+class _Open(Record):
+    model_config = ConfigDict(extra="allow")
+
+
+class ModelRef(_Open):
+    name: str
+    sha256: str
+
+
+class InputSpec(_Open):
+    """An argument of ``main``: the shape it was built for and its dtype."""
+
+    shape: list[int]
+    dtype: str
+
+
+class ActivationRecord(_Open):
+    """A region boundary's qparams (:class:`~rangeprof.byoc.policy.ActivationQ`)."""
+
+    profile_id: str
+    scale: Number
+    zero_point: int
+    dtype: str
+
+
+class WeightRecord(_Open):
+    dtype: str
+    axis: int | None
+    scale: list[Number]
+
+
+class RegionRecord(_Open):
+    """One region: its pattern, profileIDs and boundary qparams, its ``mode`` (``fallback``
+    says why FP32) and what the target made of it (the npu's tile plan)."""
+
+    name: str
+    pattern: str
+    op: str
+    profile_ids: list[str]
+    weight_id: str | None
+    input: ActivationRecord | None
+    output_id: str | None
+    output: ActivationRecord | None
+    operand: ActivationRecord | None = None
+    fallback: str | None
+    weight: WeightRecord | None = None
+    mode: Literal["int8", "int16", "fp32"]
+    target: dict[str, Any] | None = None
+
+
+class Manifest(_Open):
+    """``manifest.json`` beside a build's ``model.so``."""
+
+    model: ModelRef
+    inputs: dict[str, InputSpec]
+    target: str
+    target_options: dict[str, Any] | None = None
+    policy: dict[str, str]
+    calibration: CalibrationRecord | None
+    bias_correction: dict[str, Any] | None = None
+    regions: list[RegionRecord]
+    library: str
+    library_sha256: str
+    kept_fp32: list[str]
+    kept_int16: list[str] = Field(default_factory=list)
+    timings: dict[str, Number]
