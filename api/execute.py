@@ -90,7 +90,7 @@ def _profile(job: Job, answer: Callable[..., None]) -> dict:
 
     ray = {"ray": job.ray["address"], "workers": job.ray["workers"]} if job.ray else {}
     request = ProfileRequest.model_validate(job.request | ray)
-    return profiling.profile(request, lambda done, total: answer(progress=[done, total]))
+    return profiling.profile(request, lambda done, total: answer(progress=[done, total])).to_json()
 
 
 def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
@@ -101,7 +101,7 @@ def _evaluate(job: Job, answer: Callable[..., None]) -> dict:
     request = EvaluateRequest.model_validate(job.request)
     return quantize.evaluate(
         request, lambda phase, done, total: answer(progress=[done, total], phase=phase)
-    )
+    ).to_json()
 
 
 def _build(job: Job, answer: Callable[..., None]) -> dict:
@@ -122,7 +122,7 @@ def _build(job: Job, answer: Callable[..., None]) -> dict:
         phases.setdefault(phase, time.perf_counter())
         answer(progress=[done, total], phase=phase)
 
-    manifest = quantize.build(request, report)
+    manifest = quantize.build(request, report).to_json()
     report("packing", 2, 3)
     with zipfile.ZipFile(ARTIFACT, "w", zipfile.ZIP_DEFLATED) as archive:
         for name in (LIBRARY, MANIFEST):

@@ -38,6 +38,7 @@ from .schemas import (
     EvaluationRequest,
     EvaluationSummary,
     ObjectId,
+    ProfileDocument,
 )
 from .uploads import UploadError, stage_evaluation_data
 
@@ -178,7 +179,7 @@ def upload_report(
         progress=1.0,
         created_at=now,
         finished_at=now,
-        report=report.model_dump(mode="json", exclude_unset=True),
+        report=report.to_json(),
     )
     with service.db.session() as session:
         session.add(evaluation)
@@ -238,12 +239,12 @@ def evaluation_overlays(service: ServiceDep, owner: Owner, evaluation_id: Object
         evaluation = _own_evaluation(session, owner, evaluation_id)
         require_done(evaluation, "evaluation", evaluation_id)
         run = evaluation.run
-        doc = load_profile(session, run)
+        doc = ProfileDocument.from_json(load_profile(session, run))
         model = service.store.path(run.model.sha256, catalog.MODEL_SUFFIX)
         report = evaluation_report(evaluation.report)
     options, _ = calibration_options(CalibrationOptions())  # overlays show no scales
     files = render_export(doc, MODEL_EXPLORER, options, model, report)
-    name = f"{doc['model']['name']}.evaluation{evaluation_id}.{MODEL_EXPLORER}.zip"
+    name = f"{doc.model.name}.evaluation{evaluation_id}.{MODEL_EXPLORER}.zip"
     return Response(
         zipped(files),
         media_type="application/zip",

@@ -43,6 +43,7 @@ from .schemas import (
     CalibrationRequest,
     DriftOut,
     ErrorOut,
+    EvaluationReport,
     ExportQuery,
     ObjectId,
     ProfileDocument,
@@ -180,7 +181,7 @@ def get_profile(service: ServiceDep, owner: Owner, run_id: ObjectId) -> JSONResp
     """The profile JSON, exactly as ``rangeprof profile`` writes it."""
     with service.db.read() as session:
         doc = load_profile(session, done_run(session, owner, run_id))
-    return JSONResponse(doc)
+    return JSONResponse(ProfileDocument.from_json(doc).to_json())
 
 
 def _calibration(options: ExportQuery) -> CalibrationOptions:
@@ -236,7 +237,7 @@ def export_run(
         )
     if query.format == MODEL_EXPLORER:
         model = service.store.path(model_sha256, catalog.MODEL_SUFFIX)
-        files = render_export(doc, MODEL_EXPLORER, options, model)
+        files = render_export(ProfileDocument.from_json(doc), MODEL_EXPLORER, options, model)
         name = f"{doc['model']['name']}.run{run_id}.{MODEL_EXPLORER}.zip"
         return Response(
             zipped(files),
@@ -247,7 +248,7 @@ def export_run(
     return PlainTextResponse(export(doc, query.format, options), media_type=media)
 
 
-def _evaluation(session, run_id: int, evaluation_id: int | None) -> dict | None:
+def _evaluation(session, run_id: int, evaluation_id: int | None) -> EvaluationReport | None:
     """The report of evaluation ``evaluation_id`` of the run (the caller's, as the run is);
     404 for another run's, 409 while it is not done."""
     if evaluation_id is None:
@@ -273,10 +274,10 @@ def report_run(
     scales the target uses (``target``; by default the evaluation's, else x86), histograms and,
     with a done evaluation of the run (``evaluation``), the per-layer error."""
     with service.db.read() as session:
-        doc = load_profile(session, done_run(session, owner, run_id))
+        doc = ProfileDocument.from_json(load_profile(session, done_run(session, owner, run_id)))
         evaluation = _evaluation(session, run_id, query.evaluation)
     html = report_html(doc, evaluation, query.target)
-    name = f"{doc['model']['name']}.run{run_id}.report.html"
+    name = f"{doc.model.name}.run{run_id}.report.html"
     return HTMLResponse(html, headers={"Content-Disposition": f'inline; filename="{name}"'})
 
 

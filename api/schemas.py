@@ -11,11 +11,12 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Path, UploadFile
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field
 
-# The report the service takes as an upload is the pipeline's record.
+# The report the service takes as an upload and the profile it serves are the pipeline's records.
 from rangeprof.byoc.reports import EvaluationReport  # noqa: F401
 from rangeprof.profiler.export.formats import FORMATS, MODEL_FORMATS
+from rangeprof.profiler.profiling.records import ProfileDocument  # noqa: F401
 from rangeprof.workflows.options import (
     CalibrationOptions,
     Dtype,
@@ -190,10 +191,6 @@ class RunOut(BaseModel):
     finished_at: datetime | None
     timings: dict[str, float] | None = Field(description="Seconds, from the profile.")
     error: str | None = Field(description="Why the run failed.")
-
-
-class ProfileDocument(RootModel[dict[str, Any]]):
-    """The profile JSON of ``rangeprof profile`` (profiler/schemas/profile.schema.json)."""
 
 
 # Calibration and exports

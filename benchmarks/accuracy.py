@@ -171,7 +171,7 @@ def _our_rows(
             channel_stats=not equalize,
         )
         path = folder / f"profile{'_cle' if equalize else ''}.json"
-        path.write_text(json.dumps(profiling.profile(request)))
+        path.write_text(json.dumps(profiling.profile(request).to_json()))
         profiles[equalize] = path
     variants = {
         "plain": {"profile": profiles[False]},
@@ -192,7 +192,7 @@ def _our_rows(
                 input_shapes=shapes,
                 **options,
             )
-        )
+        ).to_json()
         seconds = time.perf_counter() - start
         done = [(m["method"], m["int8_top1"]) for m in report["methods"]]
         print(f"{variant}: {done}", flush=True)

@@ -227,14 +227,14 @@ def profile(
             doc = profiling.profile(request, lambda done, total: advance("profiling", done, total))
     except RangeprofError as err:
         raise _fail(err) from None
-    _write(out, json.dumps(doc, indent=1))
-    run = doc["run"]
+    _write(out, doc.dumps())
+    run = doc.run
     _err.print(
-        f"profiled {len(doc['tensors'])} tensors on {run['samples']} samples "
-        f"in {run['timings']['total_s']:.1f}s -> {out}",
+        f"profiled {len(doc.tensors)} tensors on {run.samples} samples "
+        f"in {run.timings['total_s']:.1f}s -> {out}",
         highlight=False,
     )
-    for line in nonfinite_summary(doc):  # overflow warnings, counts of non-finite data
+    for line in nonfinite_summary(doc.to_json()):  # overflow warnings, counts of non-finite data
         _err.print(line, markup=False, highlight=False)
 
 
@@ -256,11 +256,11 @@ def calibrate(
         doc = profiling.calibrate(request)
     except RangeprofError as err:
         raise _fail(err) from None
-    _write(out, json.dumps(doc, indent=1))
-    chosen = doc["options"]
+    _write(out, doc.dumps())
+    chosen = doc.options
     _err.print(
-        f"{len(doc['qparams'])} tensors calibrated ({chosen['method']}, {request.target}: "
-        f"{chosen['scheme']} {chosen['dtype']}) -> {out}",
+        f"{len(doc.qparams)} tensors calibrated ({chosen.method}, {request.target}: "
+        f"{chosen.scheme} {chosen.dtype}) -> {out}",
         highlight=False,
     )
 
@@ -356,18 +356,18 @@ def report(
     """One static HTML file, openable offline: the per-layer table with the scales the target
     uses, histograms with each calibration method's clipping range, and the per-layer error of
     an evaluation."""
-    from rangeprof.profiler.profiling.document import load_profile
+    from rangeprof.profiler.profiling.records import ProfileDocument
     from rangeprof.workflows.profiling import evaluation_report, report_html
 
     try:
         _check_out(out)
-        doc = load_profile(profile_path)
+        doc = ProfileDocument.from_json(profile_path)
         measured = None if evaluation is None else evaluation_report(evaluation)
         html = report_html(doc, measured, target)
     except RangeprofError as err:
         raise _fail(err) from None
     _write(out, html)
-    _err.print(f"report of {len(doc['tensors'])} tensors -> {out}", highlight=False)
+    _err.print(f"report of {len(doc.tensors)} tensors -> {out}", highlight=False)
 
 
 # INT8 builds and their evaluation (`rangeprof.byoc`).
@@ -422,12 +422,12 @@ def build(
             manifest = quantize.build(request, advance)
     except RangeprofError as err:
         raise _fail(err) from None
-    int8 = sum(r["mode"] == "int8" for r in manifest["regions"])
+    int8 = sum(r.mode == "int8" for r in manifest.regions)
     _err.print(
-        f"{request.target}: {int8} of {len(manifest['regions'])} regions INT8"
-        + (f", int16: {', '.join(manifest['kept_int16'])}" if manifest["kept_int16"] else "")
-        + (f", kept FP32: {', '.join(manifest['kept_fp32'])}" if manifest["kept_fp32"] else "")
-        + f" -> {out / manifest['library']}",
+        f"{request.target}: {int8} of {len(manifest.regions)} regions INT8"
+        + (f", int16: {', '.join(manifest.kept_int16)}" if manifest.kept_int16 else "")
+        + (f", kept FP32: {', '.join(manifest.kept_fp32)}" if manifest.kept_fp32 else "")
+        + f" -> {out / manifest.library}",
         highlight=False,
     )
 
@@ -532,32 +532,32 @@ def evaluate(
             report = quantize.evaluate(request, advance)
     except RangeprofError as err:
         raise _fail(err) from None
-    best_method = report["method"]
+    best_method = report.method
     if as_json:
-        print(json.dumps(report, indent=1))
+        print(report.dumps())
         return
     top1 = (
-        f"top-1 FP32 {report['fp32_top1']:.2f}% INT8 {report['int8_top1']:.2f}%, "
-        if "fp32_top1" in report
+        f"top-1 FP32 {report.fp32_top1:.2f}% INT8 {report.int8_top1:.2f}%, "
+        if report.fp32_top1 is not None
         else ""
     )
     _out.print(
-        f"{request.target}, {report['samples']} samples, method {best_method}: {top1}"
-        f"agreement {report['agreement']:.2f}%, output SQNR {report['output_sqnr_db']} dB",
+        f"{request.target}, {report.samples} samples, method {best_method}: {top1}"
+        f"agreement {report.agreement:.2f}%, output SQNR {report.output_sqnr_db} dB",
         highlight=False,
     )
-    if len(report["methods"]) > 1:
-        for row in report["methods"]:
+    if len(report.methods) > 1:
+        for row in report.methods:
             _out.print(
-                f"  {row['method']:<10} SQNR {row['output_sqnr_db']} dB, agreement "
-                f"{row['agreement']:.2f}%"
-                + (f", INT8 top-1 {row['int8_top1']:.2f}%" if "int8_top1" in row else ""),
+                f"  {row.method:<10} SQNR {row.output_sqnr_db} dB, agreement "
+                f"{row.agreement:.2f}%"
+                + (f", INT8 top-1 {row.int8_top1:.2f}%" if row.int8_top1 is not None else ""),
                 highlight=False,
             )
-    if report.get("kept_int16"):
-        _out.print(f"int16 for the budget: {', '.join(report['kept_int16'])}", highlight=False)
-    if report["kept_fp32"]:
-        _out.print(f"kept FP32 for the budget: {', '.join(report['kept_fp32'])}", highlight=False)
+    if report.kept_int16:
+        _out.print(f"int16 for the budget: {', '.join(report.kept_int16)}", highlight=False)
+    if report.kept_fp32:
+        _out.print(f"kept FP32 for the budget: {', '.join(report.kept_fp32)}", highlight=False)
     Console(width=max(_out.width, 140)).print(_evaluation_table(report))
 
 

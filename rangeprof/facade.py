@@ -38,6 +38,8 @@ from rangeprof.profiler.profiling.records import ProfileDocument
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from rangeprof.byoc.manifest import Manifest
+    from rangeprof.byoc.reports import EvaluationReport
     from rangeprof.profiler.profiling.statistics import Histogram, TensorStats
 
 Data = str | Path | np.ndarray | Mapping[str, np.ndarray] | Iterable[Any]
@@ -218,7 +220,7 @@ class Profile:
         path: str | Path,
         *,
         model: Model | str | Path | None = None,
-        evaluation: dict | str | Path | None = None,
+        evaluation: EvaluationReport | dict | str | Path | None = None,
         **options: Any,
     ) -> None:
         """Write the profile in format ``fmt`` to ``path``, as ``rangeprof export`` does: ``aimet``,
@@ -233,7 +235,7 @@ class Profile:
         activations, _ = profiling.calibration_options(_validated(CalibrationOptions, options))
         source = Path(model.path if isinstance(model, Model) else model) if model else None
         report = None if evaluation is None else profiling.evaluation_report(evaluation)
-        exported = profiling.render_export(self.document, fmt, activations, source, report)
+        exported = profiling.render_export(self.record, fmt, activations, source, report)
         profiling.write_export(Path(path), exported)
 
     def to_json(self) -> str:
@@ -270,8 +272,7 @@ def profile(
     held = not isinstance(data, str | Path)
     fields = {"model": path, "data": ARRAYS if held else str(data), "input_shapes": shapes}
     request = _validated(ProfileRequest, {**fields, **chosen.model_dump()})
-    document = profiling.profile(request, progress, arrays=data if held else None)
-    return Profile(document)
+    return Profile(profiling.profile(request, progress, arrays=data if held else None))
 
 
 @dataclass(eq=False)
@@ -280,14 +281,14 @@ class Int8Model:
     the built ones, ``{name: (shape, dtype)}``."""
 
     folder: Path
-    manifest: dict
+    manifest: Manifest
     inputs: dict[str, tuple[tuple[int, ...], str]]
     _main: Any = field(default=None, init=False, repr=False)  # loaded on the first run
 
     def __repr__(self) -> str:
-        regions = self.manifest.get("regions", [])
-        int8 = sum(r["mode"] == "int8" for r in regions)
-        target = self.manifest["target"]
+        regions = self.manifest.regions
+        int8 = sum(r.mode == "int8" for r in regions)
+        target = self.manifest.target
         return f"<Int8Model {target} in {self.folder}: {int8} of {len(regions)} regions INT8>"
 
     @property
@@ -386,12 +387,12 @@ class Int8Model:
 
             from rangeprof.byoc.plugin import get_plugin
 
-            if not get_plugin(self.manifest["target"]).runs_here:
+            if not get_plugin(self.manifest.target).runs_here:
                 raise RangeprofError(
-                    f"this {self.manifest['target']} build runs on its target, not on this host: "
-                    f"deploy {self.folder / self.manifest['library']} there"
+                    f"this {self.manifest.target} build runs on its target, not on this host: "
+                    f"deploy {self.folder / self.manifest.library} there"
                 )
-            library = tvm.runtime.load_module(str(self.folder / self.manifest["library"]))
+            library = tvm.runtime.load_module(str(self.folder / self.manifest.library))
             self._main = relax.VirtualMachine(library, tvm.cpu())["main"]
         return self._main
 
@@ -513,7 +514,7 @@ def build(
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)
         raise
-    built = {name: (tuple(doc["shape"]), doc["dtype"]) for name, doc in manifest["inputs"].items()}
+    built = {name: (tuple(spec.shape), spec.dtype) for name, spec in manifest.inputs.items()}
     int8 = Int8Model(folder, manifest, built)
     if temporary:
         weakref.finalize(int8, shutil.rmtree, folder, ignore_errors=True)
@@ -529,7 +530,7 @@ def evaluate(
     calibration_data: Data | None = None,
     metric: Callable[[np.ndarray, np.ndarray | None], float] | None = None,
     **options: Any,
-) -> dict:
+) -> EvaluationReport:
     """FP32 against INT8 on ``data`` (a file, ``FILE.npz:KEY``, or arrays as :func:`profile`
     takes them; ``labels`` a file or an array, for top-1): the report of ``rangeprof evaluate
     --json`` — per-layer isolated and accumulated SQNR, output SQNR, agreement, top-1, and

@@ -238,7 +238,7 @@ def test_an_accuracy_budget_build_keeps_layers_fp32_as_its_request_does(live, di
             "out": tmp_path / "local",
         }
     )
-    same_build(manifest, quantize.build(local))
+    same_build(manifest, quantize.build(local).to_json())
 
 
 @pytest.mark.backend("postgresql")

@@ -29,7 +29,7 @@ def _profile(tmp_path_factory, channel_stats: bool, samples: int | None = None):
         model=zoo_model("digits_cnn"), data=CALIB, channel_stats=channel_stats, samples=samples
     )
     path = tmp_path_factory.mktemp("bc") / "profile.json"
-    path.write_text(json.dumps(profiling.profile(request)))
+    path.write_text(profiling.profile(request).dumps())
     return path
 
 
@@ -54,13 +54,13 @@ def test_stored_and_measured_corrections_on_a_small_profile(tmp_path_factory):
     measured = _evaluate(
         profile_path, samples=32, bias_correction="measured", calibration_data=CALIB
     )
-    assert stored["bias_correction"] == {"mode": "stored", "regions": 5}
-    assert measured["bias_correction"] == {"mode": "empirical", "data": CALIB, "regions": 5}
-    assert "bias_correction" not in plain or not plain["bias_correction"]
+    assert stored.bias_correction == {"mode": "stored", "regions": 5}
+    assert measured.bias_correction == {"mode": "empirical", "data": CALIB, "regions": 5}
+    assert plain.bias_correction is None and "bias_correction" not in plain.to_json()
     for corrected_report in (stored, measured):
-        assert corrected_report["samples"] == plain["samples"] == 32
-        assert corrected_report["fp32_top1"] == plain["fp32_top1"]
-        assert corrected_report["output_sqnr_db"] != plain["output_sqnr_db"]
+        assert corrected_report.samples == plain.samples == 32
+        assert corrected_report.fp32_top1 == plain.fp32_top1
+        assert corrected_report.output_sqnr_db != plain.output_sqnr_db
 
 
 def _quantized(profile: dict):
@@ -103,10 +103,10 @@ def test_corrections_move_biases_by_the_measured_shift(profile_path):
 def test_bias_correction_raises_the_output_sqnr(profile_path):
     plain = _evaluate(profile_path)
     fixed = _evaluate(profile_path, bias_correction="measured", calibration_data=CALIB)
-    assert fixed["bias_correction"] == {"mode": "empirical", "data": CALIB, "regions": 5}
+    assert fixed.bias_correction == {"mode": "empirical", "data": CALIB, "regions": 5}
     # Measured: 40.9 -> 42.1 dB; the top-1 is the FP32 one either way.
-    assert fixed["output_sqnr_db"] > plain["output_sqnr_db"] + 0.5
-    assert fixed["int8_top1"] >= plain["int8_top1"] - 0.5
+    assert fixed.output_sqnr_db > plain.output_sqnr_db + 0.5
+    assert fixed.int8_top1 >= plain.int8_top1 - 0.5
 
 
 @pytest.mark.zoo
@@ -119,9 +119,9 @@ def test_a_corrected_build_records_its_correction(profile_path, tmp_path):
         calibration_data=CALIB,
     )
     manifest = quantize.build(request)
-    assert manifest["bias_correction"]["data"] == CALIB
-    assert manifest["bias_correction"]["mode"] == "empirical"
-    assert manifest["bias_correction"]["regions"] >= 2
+    assert manifest.bias_correction["data"] == CALIB
+    assert manifest.bias_correction["mode"] == "empirical"
+    assert manifest.bias_correction["regions"] >= 2
     assert json.loads((tmp_path / "manifest.json").read_text())["bias_correction"]
 
 
@@ -168,10 +168,10 @@ def test_regions_without_stored_means_are_left_alone_and_reported(profile_path):
 def test_stored_bias_correction_raises_the_output_sqnr(profile_path):
     plain = _evaluate(profile_path)
     fixed = _evaluate(profile_path, bias_correction="stored")
-    assert fixed["bias_correction"] == {"mode": "stored", "regions": 5}
+    assert fixed.bias_correction == {"mode": "stored", "regions": 5}
     # Measured: 40.9 -> 42.1 dB (the empirical mode's 42.1 too); top-1 the FP32 one either way.
-    assert fixed["output_sqnr_db"] > plain["output_sqnr_db"] + 0.5
-    assert fixed["int8_top1"] >= plain["int8_top1"] - 0.5
+    assert fixed.output_sqnr_db > plain.output_sqnr_db + 0.5
+    assert fixed.int8_top1 >= plain.int8_top1 - 0.5
 
 
 def _cli(*args):

@@ -166,7 +166,7 @@ def digits_profile(tmp_path_factory):
     from rangeprof.workflows.requests import ProfileRequest
 
     request = ProfileRequest(model=zoo_model("digits_cnn"), data=f"{DIGITS}:calib")
-    doc = profiling.profile(request.model_copy(update={"channel_stats": True}))
+    doc = profiling.profile(request.model_copy(update={"channel_stats": True})).to_json()
     path = tmp_path_factory.mktemp("channel-stats") / "profile.json"
     path.write_text(json.dumps(doc))
     return path

@@ -103,7 +103,7 @@ def equalized_profile(tmp_path_factory):
         samples=128,
         equalize=True,
     )
-    doc = profiling.profile(request)
+    doc = profiling.profile(request).to_json()
     path = folder / "profile.json"
     path.write_text(json.dumps(doc))
     return doc, path
@@ -134,7 +134,7 @@ def test_a_profile_of_the_equalized_model_builds_equalized(equalized_profile):
             labels=f"{data}:test_labels",
             samples=200,
         )
-    )
+    ).to_json()
     # The build equalized the model as the profile was: its ranges fit (a build of the
     # unequalized weights with these ranges would clip conv1's wide channels).
     assert report["int8_top1"] >= report["fp32_top1"] - 0.02

@@ -34,7 +34,7 @@ def _profile(name: str, tmp_path_factory) -> tuple[Path, dict, Path]:
     data, shapes = MODELS[name]
     model = zoo_model(name)
     request = ProfileRequest(model=model, data=f"{data}:calib", input_shapes=shapes, samples=8)
-    doc = profiling.profile(request)
+    doc = profiling.profile(request).to_json()
     path = tmp_path_factory.mktemp(name) / "profile.json"
     path.write_text(json.dumps(doc))
     return model, doc, path
@@ -45,7 +45,7 @@ def digits(tmp_path_factory):
     model, doc, path = _profile("digits_cnn", tmp_path_factory)
     evaluation = quantize.evaluate(
         EvaluateRequest(model=model, profile=path, data=f"{DIGITS}:test", samples=20)
-    )
+    ).to_json()
     report = path.with_name("evaluation.json")
     report.write_text(json.dumps(evaluation))
     return model, doc, path, report

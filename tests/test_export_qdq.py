@@ -77,7 +77,7 @@ def profiled(request, tmp_path_factory) -> Profiled:
             input_shapes=case.shapes,
             samples=case.calib_samples,
         )
-    )
+    ).to_json()
     path = tmp_path_factory.mktemp(name) / "profile.json"
     path.write_text(json.dumps(doc))
     return Profiled(name, case, model, doc, path)
@@ -159,7 +159,7 @@ def test_top1_is_our_int8_builds(profiled, tmp_path):
             target="x86",
             input_shapes=case.shapes,
         )
-    )
+    ).to_json()
     x, labels = _test_set(case)
     outputs = _ort_outputs(_exported(profiled, X86), case, x)
     ort_top1 = 100.0 * (outputs.reshape(len(x), -1).argmax(1) == labels).mean()
@@ -247,9 +247,9 @@ def test_an_equalized_profile_exports_the_equalized_model(tmp_path):
     assert changed  # conv weights, their bias and batch norm shifts
 
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(profile))
+    path.write_text(profile.dumps())
     qparams = tmp_path / "qparams.json"
-    qparams.write_text(json.dumps(calibrate(profile, X86)))
+    qparams.write_text(json.dumps(calibrate(profile.to_json(), X86)))
     report = quantize.evaluate(
         EvaluateRequest(
             model=model,
@@ -258,7 +258,7 @@ def test_an_equalized_profile_exports_the_equalized_model(tmp_path):
             labels=f"{case.data}:test_labels",
             samples=case.test_samples,
         )
-    )
+    ).to_json()
     outputs = _ort_outputs(exported, case, x)
     ort_top1 = 100.0 * (outputs.argmax(1) == labels).mean()
     assert abs(ort_top1 - report["int8_top1"]) <= 0.2
@@ -297,7 +297,7 @@ def test_matmuls_of_two_activations_get_a_pair_on_each_operand(tmp_path):
     ]
     weights = {"wq": rng.normal(size=(16, 16)) / 4}
     path = save(single_io_model(nodes, weights, (1, 8, 16), (1, 8, 8)), tmp_path)
-    doc = profiling.profile(ProfileRequest(model=path, data="random", samples=32))
+    doc = profiling.profile(ProfileRequest(model=path, data="random", samples=32)).to_json()
     exported = qdq_model(onnx.load(path), doc, X86)
     onnx.checker.check_model(exported, full_check=True)
     scores = next(n for n in exported.graph.node if n.name == "scores")

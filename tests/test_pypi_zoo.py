@@ -90,7 +90,7 @@ def test_magika_int8_top1_on_labelled_files(tmp_path):
     shapes = MODELS["magika"].input_shapes
     profile = tmp_path / "p.json"
     request = ProfileRequest(model=path, data=f"{npz}:calib", input_shapes=shapes)
-    profile.write_text(json.dumps(profiling.profile(request)))
+    profile.write_text(json.dumps(profiling.profile(request).to_json()))
     report = quantize.evaluate(
         EvaluateRequest(
             model=path,
@@ -100,7 +100,7 @@ def test_magika_int8_top1_on_labelled_files(tmp_path):
             labels=f"{npz}:test_labels",
             input_shapes=shapes,
         )
-    )
+    ).to_json()
     with np.load(npz) as data:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         scores = session.run(None, {"bytes": data["test"]})[0]

@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 import rangeprof
+from rangeprof.byoc.manifest import Manifest
 from rangeprof.cli import app
 from rangeprof.profiler.errors import CalibrationDataError, RangeprofError
 
@@ -122,7 +123,7 @@ def test_build_runs_int8(digits, tmp_path):
     profile = rangeprof.profile(model, {"image": calib})
     int8 = rangeprof.build(model, profile, method="mse", out=tmp_path / "int8")
     assert (tmp_path / "int8" / "model.so").exists()
-    assert all(r["mode"] == "int8" for r in int8.manifest["regions"])
+    assert all(r.mode == "int8" for r in int8.manifest.regions)
     batch = model.inputs["image"][0][0]
     predictions = [
         int(np.argmax(int8.run({"image": test[i : i + batch]})[0], axis=-1)[0])
@@ -140,9 +141,9 @@ def test_evaluate_and_a_budget_build_from_python(digits, tmp_path):
     report = rangeprof.evaluate(
         model, profile, f"{data}:test", labels=f"{data}:test_labels", method="all", samples=64
     )
-    methods = [m["method"] for m in report["methods"]]
+    methods = [m.method for m in report.methods]
     assert methods == ["max", "percentile", "entropy", "mse", "best"]
-    assert report["samples"] == 64 and report["int8_top1"] >= report["fp32_top1"] - 2
+    assert report.samples == 64 and report.int8_top1 >= report.fp32_top1 - 2
     # A budget of 0 points keeps layers FP32 until nothing is lost on these samples.
     int8 = rangeprof.build(
         model,
@@ -153,11 +154,24 @@ def test_evaluate_and_a_budget_build_from_python(digits, tmp_path):
         samples=64,
         out=tmp_path / "budget",
     )
-    assert int8.manifest["kept_fp32"]
+    assert int8.manifest.kept_fp32
 
 
 def test_a_cross_compiled_build_is_not_run_here(tmp_path):
-    built = {"target": "aarch64", "library": "model.so"}
+    built = Manifest.model_validate(
+        {
+            "model": {"name": "m", "sha256": "0" * 64},
+            "inputs": {"x": {"shape": [1, 4], "dtype": "float32"}},
+            "target": "aarch64",
+            "policy": {},
+            "calibration": None,
+            "regions": [],
+            "library": "model.so",
+            "library_sha256": "0" * 64,
+            "kept_fp32": [],
+            "timings": {},
+        }
+    )
     int8 = rangeprof.Int8Model(tmp_path, built, {"x": ((1, 4), "float32")})
     with pytest.raises(RangeprofError, match="this aarch64 build runs on its target"):
         int8.run(np.zeros((1, 4), np.float32))
@@ -214,7 +228,7 @@ def test_calibrate_is_the_cli_calibration_and_the_builds(eight, int8, tmp_path):
     assert result.exit_code == 0, result.output
     qparams = profile.calibrate()
     assert qparams.to_json() == (tmp_path / "q.json").read_text().rstrip("\n")
-    assert int8.manifest["calibration"] == qparams.document["options"]
+    assert int8.manifest.calibration == qparams.record.options
     assert qparams.document["options"]["target"] == "x86"
     assert profile.calibrate(target="npu").document["options"]["target"] == "npu"
     # An export resolves its options as `rangeprof export` does: the target's policy.
@@ -271,7 +285,7 @@ def test_quantize_is_profile_then_build_and_cleans_up(eight, int8):
     one = rangeprof.quantize(model, calib, target="x86")
     folder = one.folder
     assert (folder / "model.so").read_bytes() == (int8.folder / "model.so").read_bytes()
-    timeless = [{k: v for k, v in m.manifest.items() if k != "timings"} for m in (one, int8)]
+    timeless = [m.manifest.model_dump(exclude={"timings"}) for m in (one, int8)]
     assert timeless[0] == timeless[1]
     assert np.array_equal(one.run(test[:8])[0], int8.run(test[:8])[0])
     del one
@@ -282,7 +296,7 @@ def test_quantize_is_profile_then_build_and_cleans_up(eight, int8):
 def test_an_excluded_layer_stays_fp32(eight):
     model, profile, _, test, labels = eight
     int8 = rangeprof.build(model, profile, exclude=("/fc2/*",))
-    modes = {r["output_id"]: r["mode"] for r in int8.manifest["regions"]}
+    modes = {r.output_id: r.mode for r in int8.manifest.regions}
     assert modes.pop("/fc2/Gemm#2") == "fp32"
     assert set(modes.values()) == {"int8"}
     assert np.mean(int8.run(test)[0].argmax(-1) == labels) > 0.9
@@ -292,10 +306,10 @@ def test_an_excluded_layer_stays_fp32(eight):
 def test_the_first_and_last_layers_can_stay_fp32(eight):
     model, profile, *_ = eight
     int8 = rangeprof.build(model, profile, first_last_fp32=True)
-    modes = [r["mode"] for r in int8.manifest["regions"]]
+    modes = [r.mode for r in int8.manifest.regions]
     assert len(modes) > 2 and modes[0] == modes[-1] == "fp32"
     assert set(modes[1:-1]) == {"int8"}
-    assert "excluded by" in int8.manifest["regions"][0]["fallback"]
+    assert "excluded by" in int8.manifest.regions[0].fallback
 
 
 def test_evaluate_takes_arrays_as_files(eight):
@@ -314,7 +328,7 @@ def test_evaluate_takes_arrays_as_files(eight):
         calibration_data=f"{DATA}:calib",
         samples=64,
         **options,
-    )
+    ).to_json()
 
     def accuracy(outputs, truth):
         return 100.0 * float(np.mean(outputs.argmax(-1) == truth))
@@ -323,7 +337,7 @@ def test_evaluate_takes_arrays_as_files(eight):
     held = rangeprof.evaluate(
         model, profile, {"image": test}, labels=labels, calibration_data=batches, metric=accuracy,
         **options,
-    )  # fmt: skip
+    ).to_json()  # fmt: skip
     assert held["fp32_metric"] == pytest.approx(held["fp32_top1"], abs=1e-3)
     assert held.pop("int8_metric") == pytest.approx(held["int8_top1"], abs=1e-3)
     assert held["methods"][0].pop("int8_metric") == pytest.approx(held["int8_top1"], abs=1e-3)
@@ -355,7 +369,7 @@ def test_a_metric_drives_the_accuracy_budget(eight):
         exclude=("/c*", "/fc1/*"),  # one layer to widen
     )
     fp32, int8 = scores[:2]  # the first evaluation, every layer INT8
-    assert fp32 - int8 > 1.0 and report["agreement"] == 100.0
-    assert report["kept_int16"] == ["/fc2/Gemm#2"]
-    assert report["int8_metric"] > int8 and report["fp32_metric"] == fp32
-    assert "int8_top1" not in report  # the labels are no classes
+    assert fp32 - int8 > 1.0 and report.agreement == 100.0
+    assert report.kept_int16 == ["/fc2/Gemm#2"]
+    assert report.int8_metric > int8 and report.fp32_metric == fp32
+    assert "int8_top1" not in report.to_json()  # the labels are no classes

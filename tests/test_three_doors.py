@@ -108,7 +108,7 @@ def test_int8_programs_are_the_same_through_every_door(served, tmp_path):
     assert np.array_equal(by_cli, by_python) and np.array_equal(by_cli, by_api)
     manifests = [
         json.loads((tmp_path / "manifest.json").read_text()),
-        built.manifest,
+        built.manifest.to_json(),
         build["manifest"],
     ]
     assert len({json.dumps(m["calibration"], sort_keys=True) for m in manifests}) == 1

@@ -32,6 +32,7 @@ from rangeprof.profiler.ir.bindings import (
     used_vars,
 )
 from rangeprof.profiler.ir.converters import CONVERTERS
+from rangeprof.profiler.ir.fates import ALIASES, ELIMINATED, FOLDED_INTO, Fate
 from rangeprof.profiler.ir.onnx_load import LoadedModel
 from rangeprof.profiler.ir.tagging import (
     INPUT_PREFIX,
@@ -378,9 +379,9 @@ def _alias_fate(node, tensors, binding_ids) -> str | None:
     for name in node.output:
         expr = tensors.get(name)
         if isinstance(expr, relax.Var) and expr in binding_ids:
-            return f"aliases:{binding_ids[expr]}"
+            return str(Fate(kind=ALIASES, target=binding_ids[expr]))
         if isinstance(expr, relax.Var):
-            return f"aliases:{INPUT_PREFIX}{expr.name}"
+            return str(Fate(kind=ALIASES, target=f"{INPUT_PREFIX}{expr.name}"))
     return None
 
 
@@ -392,6 +393,6 @@ def _folded_fate(graph: onnx.GraphProto, tensors: list[str], result_id: dict) ->
         if pending.isdisjoint(node.input):
             continue
         if node.name in result_id:
-            return f"folded_into:{result_id[node.name]}"
+            return str(Fate(kind=FOLDED_INTO, target=result_id[node.name]))
         pending.update(node.output)
-    return "eliminated:constant"
+    return str(Fate(kind=ELIMINATED, target="constant"))

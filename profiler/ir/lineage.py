@@ -41,6 +41,7 @@ from rangeprof.profiler.ir.bindings import (
     relax_functions,
     used_vars,
 )
+from rangeprof.profiler.ir.fates import ELIMINATED, FOLDED_INTO, Fate
 from rangeprof.profiler.ir.spans import ids_of, with_ids
 from rangeprof.profiler.ir.tagging import INPUT_PREFIX, WEIGHT_PREFIX
 
@@ -405,7 +406,7 @@ def stage_report(
     lost = sorted(i for i in all_ids if i not in alive and i not in fates)
     if lost:
         if previous is None:
-            fates.update({i: "eliminated:dead" for i in lost})
+            fates.update({i: str(Fate(kind=ELIMINATED, target="dead")) for i in lost})
         else:
             fates.update(_fates(lost, previous, mod, table))
     for i in alive:
@@ -471,17 +472,21 @@ def _fates(lost, previous, current, cur_table) -> dict[str, str]:
     for lost_id in lost:
         if lost_id in cur_const_users:
             user = cur_const_users[lost_id]
-            fates[lost_id] = "eliminated:constant" if user is None else f"folded_into:{user}"
+            fates[lost_id] = str(
+                Fate(kind=ELIMINATED, target="constant")
+                if user is None
+                else Fate(kind=FOLDED_INTO, target=user)
+            )
             continue
         holders = [ref for ref, lin in prev_table.values() if lost_id in lin]
         holders += const_consumers.get(lost_id, [])
         target = next((t for t in map(surviving, holders) if t), None)
         if target is not None:
-            fates[lost_id] = f"folded_into:{target}"
+            fates[lost_id] = str(Fate(kind=FOLDED_INTO, target=target))
         elif holders and all(not used_vars(h.value) for h in holders):
-            fates[lost_id] = "eliminated:constant"
+            fates[lost_id] = str(Fate(kind=ELIMINATED, target="constant"))
         else:
-            fates[lost_id] = "eliminated:dead"
+            fates[lost_id] = str(Fate(kind=ELIMINATED, target="dead"))
     return fates
 
 

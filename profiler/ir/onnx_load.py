@@ -64,6 +64,7 @@ from rangeprof.profiler.errors import (
     UnsafeExternalDataError,
     UnsupportedTypeError,
 )
+from rangeprof.profiler.ir.fates import ELIMINATED, FOLDED_INTO, Fate
 from rangeprof.profiler.ir.qdq import EmbeddedQ
 from rangeprof.profiler.ir.qdq import dequantize as dequantized
 
@@ -797,5 +798,8 @@ def _fates(nodes: Sequence[onnx.NodeProto], kept: set[str]) -> dict[str, str]:
         if node.name in kept or node.op_type == "Constant":
             continue
         j = first_kept[i]
-        fates[node.name] = "eliminated:constant" if j is None else f"folded_into:{nodes[j].name}"
+        fate = Fate(kind=ELIMINATED, target="constant")
+        if j is not None:
+            fate = Fate(kind=FOLDED_INTO, target=nodes[j].name)
+        fates[node.name] = str(fate)
     return fates

@@ -15,7 +15,9 @@ from rangeprof.profiler.errors import RangeprofError
 from .requests import CalibrateRequest, ExportRequest, InspectRequest, ProfileRequest
 
 if TYPE_CHECKING:
+    from rangeprof.byoc.reports import EvaluationReport
     from rangeprof.profiler.calibrate.methods import CalibrationOptions as Options
+    from rangeprof.profiler.calibrate.records import QParamsDocument
     from rangeprof.profiler.profiling.records import ProfileDocument
 
     from .options import CalibrationOptions
@@ -35,10 +37,13 @@ def inspect(request: InspectRequest) -> dict:
     return track_model(request.model, request.input_shapes, patterns, request.equalize).to_json()
 
 
-def profile(request: ProfileRequest, progress: Progress | None = None, arrays=None) -> dict:
-    """The profile document; ``arrays``, when given, are the calibration data instead of
+def profile(
+    request: ProfileRequest, progress: Progress | None = None, arrays=None
+) -> ProfileDocument:
+    """The profile; ``arrays``, when given, are the calibration data instead of
     ``request.data`` (the Python API's in-memory data)."""
     from rangeprof.profiler.profiling.data import parse_preprocess
+    from rangeprof.profiler.profiling.records import ProfileDocument
     from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
     options = ProfileOptions(
@@ -64,7 +69,7 @@ def profile(request: ProfileRequest, progress: Progress | None = None, arrays=No
             workers=request.workers or 2,
             shards=request.shards,
         )
-    return execute(
+    document = execute(
         request.model,
         request.data if arrays is None else arrays,
         input_shapes=request.input_shapes,
@@ -72,6 +77,7 @@ def profile(request: ProfileRequest, progress: Progress | None = None, arrays=No
         preprocess=preprocess,
         progress=progress,
     )
+    return ProfileDocument.from_json(document)
 
 
 _POLICY_FIELDS = ("scheme", "dtype", "granularity", "power_of_two")  # the target's unless given
@@ -106,24 +112,26 @@ def calibrate_profile(profile: dict | ProfileDocument, options: CalibrationOptio
     return derive(profile, activations, weights=weights, target=options.target)
 
 
-def calibrate(request: CalibrateRequest) -> dict:
-    """The QPARAMS document of the request's profile."""
-    from rangeprof.profiler.profiling.document import load_profile
+def calibrate(request: CalibrateRequest) -> QParamsDocument:
+    """The qparams of the request's profile."""
+    from rangeprof.profiler.calibrate.records import QParamsDocument
+    from rangeprof.profiler.profiling.records import ProfileDocument
 
-    return calibrate_profile(load_profile(request.profile), request)
+    profile = ProfileDocument.from_json(request.profile)
+    return QParamsDocument.from_json(calibrate_profile(profile, request))
 
 
 def export(request: ExportRequest) -> Exported:
     """The request's profile in its format (:func:`render_export`)."""
-    from rangeprof.profiler.profiling.document import load_profile
+    from rangeprof.profiler.profiling.records import ProfileDocument
 
     evaluation = None if request.evaluation is None else evaluation_report(request.evaluation)
-    profile = load_profile(request.profile)
+    profile = ProfileDocument.from_json(request.profile)
     activations, _ = calibration_options(request, request.format)
     return render_export(profile, request.format, activations, request.model, evaluation)
 
 
-def _transformed(onnx_model, path: Path, profile: dict):
+def _transformed(onnx_model, path: Path, profile: ProfileDocument):
     """The ONNX model as profiled (its initializers equalized as the profile's transforms say)
     and the profile, whose ranges are now that model's own."""
     from onnx import numpy_helper
@@ -133,7 +141,7 @@ def _transformed(onnx_model, path: Path, profile: dict):
     from rangeprof.profiler.ir.passes.equalize import equalized_initializers
     from rangeprof.profiler.ir.tagging import WEIGHT_PREFIX
 
-    shapes = {k: tuple(v) for k, v in profile["model"]["inputs"].items()}
+    shapes = {k: tuple(v) for k, v in profile.model.inputs.items()}
     imported = import_onnx(load_model(path, shapes))
     initializers = {t.name: t for t in onnx_model.graph.initializer}
     for profile_id, value in equalized_initializers(imported.mod).items():
@@ -145,16 +153,17 @@ def _transformed(onnx_model, path: Path, profile: dict):
             )
         old = initializers[name]
         old.CopyFrom(numpy_helper.from_array(value.astype(numpy_helper.to_array(old).dtype), name))
-    model_doc = {k: v for k, v in profile["model"].items() if k != "transforms"}
-    return onnx_model, {**profile, "model": model_doc}
+    document = profile.to_json()
+    del document["model"]["transforms"]
+    return onnx_model, document
 
 
 def render_export(
-    profile: dict,
+    profile: ProfileDocument,
     fmt: str,
     options: Options,
     model: Path | None = None,
-    evaluation: dict | None = None,
+    evaluation: EvaluationReport | None = None,
 ) -> Exported:
     """``profile`` in format ``fmt``: a calibration table's text, the QDQ model's bytes (``qdq``),
     or ``{file name: JSON text}`` with one Model Explorer overlay per figure
@@ -164,22 +173,23 @@ def render_export(
 
     formats.check_inputs(fmt, model, evaluation)
     if fmt not in formats.MODEL_FORMATS:
-        return formats.export(profile, fmt, options)
+        return formats.export(profile.to_json(), fmt, options)
     onnx_model = _profiled_model(model, profile)
     if fmt == formats.QDQ:
         from rangeprof.profiler.export.qdq_model import qdq_model
 
-        if profile["model"].get("transforms"):
-            onnx_model, profile = _transformed(onnx_model, model, profile)
-
-        return qdq_model(onnx_model, profile, options).SerializeToString()
+        document = profile.to_json()
+        if profile.model.transforms:
+            onnx_model, document = _transformed(onnx_model, model, profile)
+        return qdq_model(onnx_model, document, options).SerializeToString()
     from rangeprof.profiler.export.model_explorer import node_data
 
-    figures = node_data(onnx_model, profile, evaluation)
+    report = None if evaluation is None else evaluation.to_json()
+    figures = node_data(onnx_model, profile.to_json(), report)
     return {f"{name}.json": json.dumps(doc, indent=1) + "\n" for name, doc in figures.items()}
 
 
-def _profiled_model(path: Path, profile: dict):
+def _profiled_model(path: Path, profile: ProfileDocument):
     """The ONNX model in ``path``, which must be the profiled file (its sha256)."""
     import onnx
 
@@ -187,18 +197,23 @@ def _profiled_model(path: Path, profile: dict):
         data = Path(path).read_bytes()
     except OSError as err:
         raise RangeprofError(f"{path}: {err.strerror}") from None
-    sha, expected = hashlib.sha256(data).hexdigest(), profile["model"]["sha256"]
+    sha, expected = hashlib.sha256(data).hexdigest(), profile.model.sha256
     if sha != expected:
         raise RangeprofError(
-            f"{path} is not the profiled model {profile['model']['name']!r} "
+            f"{path} is not the profiled model {profile.model.name!r} "
             f"(sha256 {sha[:12]}…, the profile's {expected[:12]}…)"
         )
     return onnx.load_model_from_string(data)
 
 
-def evaluation_report(source: Path | dict) -> dict:
-    """The report of ``rangeprof evaluate --json`` in file ``source`` (or already read), with
-    the per-layer fields the exports read."""
+def evaluation_report(source: Path | dict | EvaluationReport) -> EvaluationReport:
+    """The report of ``rangeprof evaluate --json`` in file ``source`` (or already read)."""
+    from pydantic import ValidationError
+
+    from rangeprof.byoc.reports import EvaluationReport
+
+    if isinstance(source, EvaluationReport):
+        return source
     doc = source
     if not isinstance(source, dict):
         try:
@@ -207,14 +222,15 @@ def evaluation_report(source: Path | dict) -> dict:
             raise RangeprofError(f"{source}: {err.strerror}") from None
         except ValueError as err:
             raise RangeprofError(f"{source}: not JSON ({err})") from None
-    layers = doc.get("layers") if isinstance(doc, dict) else None
-    fields = {"profile_id", "mode", "isolated_sqnr_db", "accumulated_sqnr_db"}
-    if not isinstance(layers, list) or not all(
-        isinstance(layer, dict) and fields <= set(layer) for layer in layers
-    ):
+    try:
+        return EvaluationReport.model_validate(doc)
+    except ValidationError as err:
         where = "the evaluation" if isinstance(source, dict) else str(source)
-        raise RangeprofError(f"{where}: not the JSON of `rangeprof evaluate --json`")
-    return doc
+        first = err.errors()[0]
+        at = "/".join(str(part) for part in first["loc"]) or "top level"
+        raise RangeprofError(
+            f"{where}: not the JSON of `rangeprof evaluate --json` ({at}: {first['msg']})"
+        ) from None
 
 
 def write_export(out: Path, exported: Exported) -> None:
@@ -232,20 +248,24 @@ def write_export(out: Path, exported: Exported) -> None:
         raise RangeprofError(f"{out}: cannot write: {err.strerror}") from None
 
 
-def report_html(profile: dict, evaluation: dict | None = None, target: str | None = None) -> str:
+def report_html(
+    profile: ProfileDocument,
+    evaluation: EvaluationReport | None = None,
+    target: str | None = None,
+) -> str:
     """The static HTML report of ``profile`` (and ``evaluation``, a report of ``rangeprof
     evaluate --json``), its scales on ``target``'s grids: by default the evaluation's target,
     else x86's."""
     from rangeprof.byoc.policy import POLICIES
     from rangeprof.profiler.export.report import render_report
 
-    target = target or (evaluation or {}).get("target") or "x86"
+    target = target or (evaluation.target if evaluation else None) or "x86"
     if target not in POLICIES:
         raise RangeprofError(f"unknown target {target!r}; expected one of {', '.join(POLICIES)}")
     policy = POLICIES[target]
     return render_report(
-        profile,
-        evaluation,
+        profile.to_json(),
+        None if evaluation is None else evaluation.to_json(),
         target=target,
         activations=policy.calibration(),
         weights=policy.weight_calibration(),

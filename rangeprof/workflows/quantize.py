@@ -18,6 +18,8 @@ from .options import EVERY_METHOD, STORED, CalibrationOptions
 from .requests import BuildRequest, EvaluateRequest, QuantizeRequest
 
 if TYPE_CHECKING:
+    from rangeprof.byoc.manifest import Manifest
+    from rangeprof.byoc.reports import EvaluationReport
     from rangeprof.profiler.calibrate.records import QParamsDocument
     from rangeprof.profiler.profiling.records import ProfileDocument
 
@@ -191,12 +193,13 @@ def _bias_corrections(
     return corrections, record
 
 
-def build(request: BuildRequest, progress: Progress | None = None, held: Held = Held()) -> dict:
+def build(request: BuildRequest, progress: Progress | None = None, held: Held = Held()) -> Manifest:
     """Quantize and compile the model for ``request.target``; write ``model.so`` and
     ``manifest.json`` into ``request.out``; return the manifest. ``held``: data in memory."""
     from rangeprof.byoc.artifact import build_artifact
     from rangeprof.byoc.bias_correction import corrected
     from rangeprof.byoc.evaluate import fit_budget
+    from rangeprof.byoc.manifest import Manifest
     from rangeprof.byoc.plugin import get_plugin
 
     report = progress or (lambda phase, done, total: None)
@@ -227,12 +230,12 @@ def build(request: BuildRequest, progress: Progress | None = None, held: Held = 
         )
         kept_fp32, kept_int16 = frozenset(fitted.kept_fp32), frozenset(fitted.kept_int16)
     report("compiling", 1, 3)
-    return build_artifact(qm, request.out, kept_fp32, kept_int16)
+    return Manifest.from_json(build_artifact(qm, request.out, kept_fp32, kept_int16))
 
 
 def evaluate(
     request: EvaluateRequest, progress: Progress | None = None, held: Held = Held()
-) -> dict:
+) -> EvaluationReport:
     """FP32 against INT8 on the request's data (``held``: in memory); with ``method="all"``
     every calibration method of the profile, the best (the metric, else top-1, else agreement,
     then SQNR) reported, the others listed."""
@@ -273,8 +276,10 @@ def evaluate(
     return _report(request, results, corrections)
 
 
-def _report(request: EvaluateRequest, results: list[tuple[str, dict]], corrections: dict) -> dict:
-    """The report (:class:`~rangeprof.byoc.reports.EvaluationReport`) of the best of each
+def _report(
+    request: EvaluateRequest, results: list[tuple[str, dict]], corrections: dict
+) -> EvaluationReport:
+    """The report of the best of each
     method's ``results`` (the metric, else top-1, else agreement, then SQNR), the others listed;
     ``corrections``: each method's bias correction record."""
     from rangeprof.byoc.reports import EvaluationReport, MethodResult
@@ -299,4 +304,4 @@ def _report(request: EvaluateRequest, results: list[tuple[str, dict]], correctio
         )
         for name, doc in results
     ]
-    return report.to_json()
+    return report
