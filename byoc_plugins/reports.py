@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from rangeprof.profiler.calibrate.methods import CHOICES
+from rangeprof.profiler.calibrate.methods import CHOICES, IMPORTED
 from rangeprof.profiler.records import Record
 
 from .policy import TARGETS
@@ -32,10 +32,14 @@ class EvaluatedLayer(_Open):
     accumulated_rmse_per_scale: float
 
 
+# The method a report names: a calibration method, or qdq for a QDQ model's own scales.
+ReportedMethod = Literal[(*CHOICES, IMPORTED)]
+
+
 class MethodResult(_Open):
     """One calibration method's figures, of an evaluation of every method."""
 
-    method: Literal[CHOICES]
+    method: ReportedMethod
     output_sqnr_db: float | None
     agreement: float
     int8_top1: float | None = None
@@ -45,7 +49,7 @@ class MethodResult(_Open):
 class EvaluationReport(_Open):
     """The object ``rangeprof evaluate --json`` prints."""
 
-    method: Literal[CHOICES]
+    method: ReportedMethod
     target: Literal[TARGETS]
     weight_bits: int = Field(8, description="Absent in reports made before: 8.")
     samples: int = Field(ge=1)

@@ -412,8 +412,8 @@ def test_cli_build_artifact_loads_and_matches_evaluate(digits_profile, tmp_path)
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
     x = np.load(SHARED / "data" / "digits.npz")["test"][:1].astype(np.float32)
     deployed = vm["main"](tvm.runtime.tensor(x)).numpy()
-    qm = quantize_model(model, qparams_from_profile(digits_profile, X86, "max", 99.99), X86)
-    mod, _ = qm.lower()
+    qm = quantize_model(model, qparams_from_profile(digits_profile, X86, "mse", 99.99), X86)
+    mod, _ = qm.lower()  # the CLI's default method: mse
     in_process = relax.VirtualMachine(X86.compile(mod), tvm.cpu())["main"](tvm.runtime.tensor(x))
     assert np.array_equal(deployed, in_process.numpy())
 
@@ -456,7 +456,7 @@ def test_cli_seven_bit_weights_build_and_evaluate(digits_profile, tmp_path):
     x = np.load(SHARED / "data" / "digits.npz")["test"][:1].astype(np.float32)
     deployed = relax.VirtualMachine(tvm.runtime.load_module(library), tvm.cpu())["main"]
     seven = get_plugin("x86", weight_bits=7)
-    qm = quantize_model(model, qparams_from_profile(digits_profile, seven, "max", 99.99), seven)
+    qm = quantize_model(model, qparams_from_profile(digits_profile, seven, "mse", 99.99), seven)
     in_process = relax.VirtualMachine(seven.compile(qm.lower()[0]), tvm.cpu())["main"]
     eight = relax.VirtualMachine(X86.compile(_digits_int8(digits_profile)), tvm.cpu())["main"]
     outputs = [f(tvm.runtime.tensor(x)).numpy() for f in (deployed, in_process, eight)]

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from rangeprof.profiler.calibrate.methods import DTYPES, SCHEMA_VERSION
+from rangeprof.profiler.calibrate.methods import DTYPES, IMPORTED, SCHEMA_VERSION
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import LoadedModel, load_model
 from rangeprof.profiler.ir.qdq import DEQUANTIZE, INTEGER_OPS, QUANTIZE, EmbeddedQ
 
-METHOD = "qdq"
+METHOD = IMPORTED
 
 
 def import_qparams(

@@ -85,6 +85,8 @@ SCHEMA_VERSION = "1.3"
 # The clip-range methods; a user may also ask for "best", the one of them that fits each tensor.
 METHODS = ("max", "percentile", "entropy", "mse")
 CHOICES = (*METHODS, "best")
+# The method of qparams read from a QDQ model's own pairs (``rangeprof import-qparams``).
+IMPORTED = "qdq"
 SCHEMES = ("sym", "asym")
 GRANULARITIES = ("per-tensor", "per-channel")
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
