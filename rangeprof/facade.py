@@ -285,6 +285,20 @@ class Int8Model:
     inputs: dict[str, tuple[tuple[int, ...], str]]
     _main: Any = field(default=None, init=False, repr=False)  # loaded on the first run
 
+    @classmethod
+    def load(cls, folder: str | Path) -> Int8Model:
+        """The build in ``folder`` (``rangeprof build --out``): its ``manifest.json`` read and
+        checked, its ``model.so`` loaded on the first run."""
+        from rangeprof.byoc.manifest import Manifest
+
+        return cls.of(Path(folder), Manifest.from_json(Path(folder) / "manifest.json"))
+
+    @classmethod
+    def of(cls, folder: Path, manifest: Manifest) -> Int8Model:
+        """The build in ``folder`` whose manifest is ``manifest``."""
+        inputs = {n: (tuple(spec.shape), spec.dtype) for n, spec in manifest.inputs.items()}
+        return cls(folder, manifest, inputs)
+
     def __repr__(self) -> str:
         regions = self.manifest.regions
         int8 = sum(r.mode == "int8" for r in regions)
@@ -514,8 +528,7 @@ def build(
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)
         raise
-    built = {name: (tuple(spec.shape), spec.dtype) for name, spec in manifest.inputs.items()}
-    int8 = Int8Model(folder, manifest, built)
+    int8 = Int8Model.of(folder, manifest)
     if temporary:
         weakref.finalize(int8, shutil.rmtree, folder, ignore_errors=True)
     return int8

@@ -66,9 +66,7 @@ def sample() -> np.ndarray:
 
 
 def _reference(built: Path, sample: np.ndarray) -> np.ndarray:
-    manifest = json.loads((built / "manifest.json").read_text())
-    inputs = {name: (tuple(d["shape"]), d["dtype"]) for name, d in manifest["inputs"].items()}
-    (output,) = Int8Model(built, manifest, inputs).run(sample)
+    (output,) = Int8Model.load(built).run(sample)
     return output
 
 
