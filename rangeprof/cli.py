@@ -9,7 +9,7 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from rangeprof.profiler.errors import RangeprofError
 from rangeprof.workflows.options import CalibrationOptions, ProfileOptions, QuantizeOptions
 
 from .cli_options import with_options
+
+if TYPE_CHECKING:
+    from rangeprof.byoc.reports import EvaluationReport
 
 app = typer.Typer(
     help="Tensor-range profiling with IR tracking for INT8 quantization on Apache TVM.",
@@ -479,7 +482,7 @@ def _progress():
     yield advance
 
 
-def _evaluation_table(doc: dict) -> Table:
+def _evaluation_table(report: EvaluationReport) -> Table:
     table = Table(title="per layer, worst isolated SQNR first")
     for column in ("profileID", "pattern", "mode", "isolated dB", "accumulated dB", "rmse/scale"):
         table.add_column(column)
@@ -487,14 +490,14 @@ def _evaluation_table(doc: dict) -> Table:
     def db(value):
         return "exact" if value is None else f"{value:.2f}"
 
-    for layer in doc["layers"]:
+    for layer in report.layers:
         table.add_row(
-            layer["profile_id"],
-            layer["pattern"].split(".", 1)[-1],
-            layer["mode"],
-            db(layer["isolated_sqnr_db"]),
-            db(layer["accumulated_sqnr_db"]),
-            f"{layer['isolated_rmse_per_scale']:.2f} / {layer['accumulated_rmse_per_scale']:.2f}",
+            layer.profile_id,
+            layer.pattern.split(".", 1)[-1],
+            layer.mode,
+            db(layer.isolated_sqnr_db),
+            db(layer.accumulated_sqnr_db),
+            f"{layer.isolated_rmse_per_scale:.2f} / {layer.accumulated_rmse_per_scale:.2f}",
         )
     return table
 
@@ -546,7 +549,7 @@ def evaluate(
         f"agreement {report.agreement:.2f}%, output SQNR {report.output_sqnr_db} dB",
         highlight=False,
     )
-    if len(report.methods) > 1:
+    if len(report.methods or ()) > 1:
         for row in report.methods:
             _out.print(
                 f"  {row.method:<10} SQNR {row.output_sqnr_db} dB, agreement "

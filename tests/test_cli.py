@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from rangeprof.cli import app
 
 import onnx_builders as mb
+from conftest import SHARED, zoo_model
 
 runner = CliRunner()
 
@@ -218,3 +219,24 @@ def test_report_command_writes_one_offline_html(tmp_path):
     _fails_cleanly(
         ["report", str(profile), "--out", str(tmp_path / "nope" / "r.html")], "does not exist"
     )
+
+
+def test_evaluate_prints_its_summary_and_the_layer_table(tmp_path):
+    """The readable output of ``evaluate`` (not ``--json``): the summary line, then the table
+    of every layer's error by profileID."""
+    digits = f"{SHARED}/data/digits.npz"
+    profile = tmp_path / "p.json"
+    args = ["profile", str(zoo_model("digits_cnn")), "--data", f"{digits}:calib"]
+    result = runner.invoke(app, [*args, "--samples", "16", "--out", str(profile)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(
+        app,
+        [
+            "evaluate", str(zoo_model("digits_cnn")), "--profile", str(profile),
+            "--data", f"{digits}:test", "--labels", f"{digits}:test_labels", "--samples", "16",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "x86, 16 samples, method mse: top-1 FP32" in result.stdout
+    assert "per layer, worst isolated SQNR first" in result.stdout
+    assert "/fc2/Gemm" in result.stdout
