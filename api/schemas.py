@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 # The report the service takes as an upload and the profile it serves are the pipeline's records.
 from rangeprof.byoc.reports import EvaluationReport  # noqa: F401
 from rangeprof.profiler.export.formats import FORMATS, MODEL_FORMATS
-from rangeprof.profiler.profiling.records import ProfileDocument  # noqa: F401
+from rangeprof.profiler.profiling.records import (
+    ProfileDocument,  # noqa: F401
+    StageReport,
+)
 from rangeprof.workflows.options import (
     CalibrationOptions,
     Dtype,
@@ -97,17 +100,6 @@ class LayerOut(_Out):
     dtype: str
 
 
-class StageOut(BaseModel):
-    """A stage report as ``rangeprof inspect --json`` prints it."""
-
-    name: str
-    bindings: int
-    tracked: int
-    ops: dict[str, int]
-    lineage: dict[str, list[str]]
-    fates: dict[str, str]
-
-
 class ModelSummary(_Out):
     id: int
     name: str
@@ -121,7 +113,7 @@ class ModelSummary(_Out):
 
 class ModelOut(ModelSummary):
     layers: list[LayerOut] = Field(description="Every profileID of the initial IR, in order.")
-    stages: list[StageOut] = Field(description="Lineage after every compiler stage.")
+    stages: list[StageReport] = Field(description="Lineage after every compiler stage.")
 
 
 # Runs
