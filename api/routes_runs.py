@@ -181,7 +181,7 @@ def get_profile(service: ServiceDep, owner: Owner, run_id: ObjectId) -> JSONResp
     """The profile JSON, exactly as ``rangeprof profile`` writes it."""
     with service.db.read() as session:
         doc = load_profile(session, done_run(session, owner, run_id))
-    return JSONResponse(ProfileDocument.from_json(doc).to_json())
+    return JSONResponse(doc)  # stored as written: served as is
 
 
 def _calibration(options: ExportQuery) -> CalibrationOptions:

@@ -115,10 +115,9 @@ def calibrate_profile(profile: dict | ProfileDocument, options: CalibrationOptio
 def calibrate(request: CalibrateRequest) -> QParamsDocument:
     """The qparams of the request's profile."""
     from rangeprof.profiler.calibrate.records import QParamsDocument
-    from rangeprof.profiler.profiling.records import ProfileDocument
+    from rangeprof.profiler.profiling.document import load_profile
 
-    profile = ProfileDocument.from_json(request.profile)
-    return QParamsDocument.from_json(calibrate_profile(profile, request))
+    return QParamsDocument.from_json(calibrate_profile(load_profile(request.profile), request))
 
 
 def export(request: ExportRequest) -> Exported:

@@ -101,9 +101,10 @@ def _ranges(
     from .profiling import calibrate_profile
 
     if profile is not None:
+        document = profile.to_json()  # once, however many methods ask
         return lambda method: QParamsDocument.model_validate(
             calibrate_profile(
-                profile,
+                document,
                 CalibrationOptions(
                     target=request.target, method=method, percentile=request.percentile
                 ),
@@ -133,26 +134,34 @@ def _check_target(document: QParamsDocument, target: str) -> None:
 
 
 def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin):
+    """The model quantized for ``plugin`` with ``qparams`` and the request's exclusions."""
     from rangeprof.byoc.quantized import quantize_model
 
-    document = qparams.to_json()
     qm = quantize_model(
-        request.model, document, plugin, request.input_shapes, request.fp32_fallback
+        request.model,
+        qparams.to_json(),  # the pipeline's regions read the document
+        plugin,
+        request.input_shapes,
+        request.fp32_fallback,
+        request.exclude,
     )
-    return _replanned(request, qm, qparams)
+    return _ends_fp32(request, qm)
 
 
 def _replanned(request: QuantizeRequest, qm, qparams: QParamsDocument):
-    """``qm`` planned from ``qparams`` with the request's exclusions; with
-    ``first_last_fp32`` the first and last regions that would be quantized too."""
-    qparams = qparams.to_json()  # the pipeline's regions read the document
-    exclude = request.exclude
-    if request.first_last_fp32:
-        planned = qm.replanned(qparams, request.fp32_fallback, exclude)
-        quantized = [r for r in planned.regions if r.fallback is None]
-        ends = {glob.escape(r.output_id) for r in quantized[:1] + quantized[-1:]}
-        exclude = (*exclude, *sorted(ends))
-    return qm.replanned(qparams, request.fp32_fallback, exclude)
+    """``qm`` planned anew from ``qparams`` with the request's exclusions."""
+    planned = qm.replanned(qparams.to_json(), request.fp32_fallback, request.exclude)
+    return _ends_fp32(request, planned)
+
+
+def _ends_fp32(request: QuantizeRequest, planned):
+    """``planned``, with ``first_last_fp32`` its first and last quantized regions kept FP32."""
+    if not request.first_last_fp32:
+        return planned
+    quantized = [r for r in planned.regions if r.fallback is None]
+    ends = {glob.escape(r.output_id) for r in quantized[:1] + quantized[-1:]}
+    exclude = (*request.exclude, *sorted(ends))
+    return planned.replanned(planned.qparams, request.fp32_fallback, exclude)
 
 
 def _runnable_here(plugin):
