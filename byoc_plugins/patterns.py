@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax.backend.utils import has_leaking_intermediate_variables
 from tvm.relax.dpl import is_const, is_op, wildcard
 
 from rangeprof.profiler.ir.spans import ids_of
@@ -77,6 +78,11 @@ def _check(kind: str):
         op = found["op"]
         data, weight = op.args
         if not (_float32(data) and _float32(weight) and _float32(op)):
+            return False
+        # An epilogue whose input is read elsewhere too (HardSwish's ``x * clip(x + 3)``
+        # reads the conv's output twice) cannot move into the region: the region would
+        # hide the value the other reader needs.
+        if has_leaking_intermediate_variables(context):
             return False
         if kind == CONV2D:
             attrs = op.attrs
@@ -159,7 +165,9 @@ def read_region(func: relax.Function) -> FloatRegion:
         if name == "relax.add":
             # add commutes, and the pattern matches it so: the bias is on either side (ONNX
             # exporters write Add(B, X) as often as Add(X, B)).
-            bias = next(v for v in map(_constant, call.args) if v is not None).reshape(channels)
+            # A scalar (or [1]) constant is a bias equal on every channel.
+            value = next(v for v in map(_constant, call.args) if v is not None)
+            bias = np.broadcast_to(value.reshape(-1), (channels,)).astype(np.float32)
         elif name == "relax.nn.relu":
             lo = 0.0
         elif name == "relax.maximum":

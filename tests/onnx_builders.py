@@ -185,3 +185,56 @@ def conv_relu(rng, c_in: int, c_out: int, size: int):
     ]
     shape = (1, c_out, size, size)
     return single_io_model(nodes, {"w": w, "b": b}, (1, c_in, size, size), shape), w, b
+
+
+def mobilenet_v3_block() -> onnx.ModelProto:
+    """A MobileNetV3 / PP-LCNet-style network on ``[1, 3, 16, 16]``: bias-free convs followed by
+    BatchNormalization, HardSwish both as the ONNX op and decomposed (``x * Clip(x + 3, 0, 6) / 6``,
+    its ``+ 3`` a scalar straight after a conv), a depthwise conv, a squeeze-and-excite branch gated
+    by HardSigmoid, a residual add, and a dense head with HardSwish between its two Gemms."""
+    rng = np.random.default_rng(11)
+    inits = {
+        "stem.w": rng.normal(size=(8, 3, 3, 3)) / 4,
+        **_bn_inits(rng, 8, "stem.bn"),
+        "dw.w": rng.normal(size=(8, 1, 3, 3)) / 2,
+        **_bn_inits(rng, 8, "dw.bn"),
+        "se1.w": rng.normal(size=(4, 8, 1, 1)) / 2,
+        "se1.b": rng.normal(size=4),
+        "se2.w": rng.normal(size=(8, 4, 1, 1)) / 2,
+        "se2.b": rng.normal(size=8),
+        "pw.w": rng.normal(size=(8, 8, 1, 1)) / 3,
+        "three": np.array(3.0),
+        "zero": np.array(0.0),
+        "six": np.array(6.0),
+        "fc1.w": rng.normal(size=(8, 16)) / 3,
+        "fc1.b": rng.normal(size=16),
+        "fc2.w": rng.normal(size=(16, 10)) / 4,
+        "fc2.b": rng.normal(size=10),
+    }
+    node = helper.make_node
+    nodes = [
+        node("Conv", ["x", "stem.w"], ["s0"], name="stem", pads=[1] * 4, strides=[2, 2]),
+        _bn("s0", "s1", "stem_bn", "stem.bn"),
+        node("HardSwish", ["s1"], ["s2"], name="stem_act"),
+        node("Conv", ["s2", "dw.w"], ["d0"], name="dw", pads=[1] * 4, group=8),
+        _bn("d0", "d1", "dw_bn", "dw.bn"),
+        node("Relu", ["d1"], ["d2"], name="dw_act"),
+        node("GlobalAveragePool", ["d2"], ["p0"], name="se_pool"),
+        node("Conv", ["p0", "se1.w", "se1.b"], ["p1"], name="se_reduce"),
+        node("Relu", ["p1"], ["p2"], name="se_act"),
+        node("Conv", ["p2", "se2.w", "se2.b"], ["p3"], name="se_expand"),
+        node("HardSigmoid", ["p3"], ["p4"], name="se_gate", alpha=1 / 6, beta=0.5),
+        node("Mul", ["d2", "p4"], ["e0"], name="se_scale"),
+        node("Conv", ["e0", "pw.w"], ["c0"], name="pw"),
+        node("Add", ["c0", "three"], ["h0"], name="hs_add"),
+        node("Clip", ["h0", "zero", "six"], ["h1"], name="hs_clip"),
+        node("Mul", ["c0", "h1"], ["h2"], name="hs_mul"),
+        node("Div", ["h2", "six"], ["h3"], name="hs_div"),
+        node("Add", ["h3", "s2"], ["r0"], name="residual"),
+        node("GlobalAveragePool", ["r0"], ["g0"], name="pool"),
+        node("Flatten", ["g0"], ["g1"], name="flatten"),
+        node("Gemm", ["g1", "fc1.w", "fc1.b"], ["f0"], name="fc1"),
+        node("HardSwish", ["f0"], ["f1"], name="fc1_act"),
+        node("Gemm", ["f1", "fc2.w", "fc2.b"], ["y"], name="fc2"),
+    ]
+    return single_io_model(nodes, inits, (1, 3, 16, 16), (1, 10), name="mobilenet_v3_block")
