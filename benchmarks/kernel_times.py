@@ -32,7 +32,9 @@ import tvm  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
 
 from benchmarks.int8_vs_fp32 import model_path  # noqa: E402
+from rangeprof.byoc.cpu import integer_rules  # noqa: E402
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
+from rangeprof.byoc.x86 import isa as x86_isa  # noqa: E402
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model  # noqa: E402
 from rangeprof.profiler.compile.schedules import host_target  # noqa: E402
 from rangeprof.profiler.compile.schedules.pipeline import relax_pipeline  # noqa: E402
@@ -50,7 +52,8 @@ def lowered(path: Path, shapes: dict, int8: bool) -> tvm.IRModule:
     x86 = get_plugin("x86")
     profile = profile_model(path, "random", input_shapes=shapes, options=ProfileOptions(samples=4))
     qm = quantize_model(path, qparams_from_profile(profile, x86, "percentile", 99.99), x86, shapes)
-    return relax_pipeline(target, fold_scales=False)(qm.lower()[0])
+    rules = integer_rules(x86_isa.ISA)  # the integer kernels, as the x86 plugin's build has them
+    return relax_pipeline(target, fold_scales=False, rules=rules)(qm.lower()[0])
 
 
 def kernel_calls(mod: tvm.IRModule) -> tuple[collections.Counter, dict]:
