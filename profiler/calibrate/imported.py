@@ -1,10 +1,12 @@
 """The QPARAMS document of a QDQ model: the scales its pairs embed, keyed by profileID.
 
-``rangeprof import-qparams`` loads the model dequantized (:mod:`rangeprof.profiler.ir.qdq`), imports
-it, and gives each pair's ``(scale, zero_point)`` to the profileID whose binding *is* the tensor the
-pair quantizes (its ``source_tensor``): a ``Clip`` the pair became and the tensor in front of it
-both carry them. ``rangeprof build MODEL --qparams`` then compiles the same dequantized model
-through a BYOC plugin with no calibration data. Weights are listed as the model quantized them; the
+``rangeprof import-qparams`` loads the model dequantized (:mod:`rangeprof.profiler.ir.qdq`; a
+model in the operator-oriented format, ``QLinearConv``…, in its QDQ form first:
+:mod:`rangeprof.profiler.ir.operator_quantized`), imports it, and gives each pair's
+``(scale, zero_point)`` to the profileID whose binding *is* the tensor the pair quantizes (its
+``source_tensor``): a ``Clip`` the pair became and the tensor in front of it both carry them.
+``rangeprof build MODEL --qparams`` then compiles the same dequantized model through a BYOC plugin
+with no calibration data. Weights are listed as the model quantized them; the
 plugins quantize the weights they multiply (batch norms folded in) by their own policy, which gives
 back the same integers for symmetric per-channel max weights (ONNX Runtime's ``per_channel=True``).
 Bias pairs (int32, scale ``s_x · s_w``) are left out: the plugins derive the int32 bias from the
@@ -50,8 +52,13 @@ def import_qparams(
         if layer is not None:
             entries.setdefault(layer.profile_id, _entry(layer.profile_id, layer.kind, embedded))
     activations = [e for e in entries.values() if e["kind"] != "weight"]
-    if not activations:
+    if not activations and any(e.kind == "activation" for e in loaded.embedded):
         raise RangeprofError(f"{path}: no tensor of the model is quantized by a QDQ pair")
+    if not activations:
+        raise RangeprofError(
+            f"{path}: only weights carry scales (activations quantized at run time, as "
+            "quantize_dynamic writes them): profile and calibrate the model for its qparams"
+        )
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {
@@ -72,8 +79,7 @@ def _check_quantized(loaded: LoadedModel, source: str) -> None:
     if integer is not None:
         raise RangeprofError(
             f"{source}: node {integer.name!r} ({integer.op_type}) computes on quantized integers "
-            "(the operator-oriented format); import-qparams reads QDQ models, whose pairs "
-            "surround float operators"
+            "in a form rangeprof does not rewrite into QDQ pairs around a float operator"
         )
     left = next((n for n in nodes if n.op_type in (QUANTIZE, DEQUANTIZE)), None)
     if left is not None:

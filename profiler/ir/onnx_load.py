@@ -65,6 +65,7 @@ from rangeprof.profiler.errors import (
     UnsupportedTypeError,
 )
 from rangeprof.profiler.ir.fates import ELIMINATED, FOLDED_INTO, Fate
+from rangeprof.profiler.ir.operator_quantized import as_qdq
 from rangeprof.profiler.ir.qdq import EmbeddedQ
 from rangeprof.profiler.ir.qdq import dequantize as dequantized
 
@@ -173,7 +174,8 @@ def load_model(
     With ``dequantize``, a QDQ model loads as the FP32 model beneath its QuantizeLinear /
     DequantizeLinear pairs, the pairs' parameters in ``embedded``
     (:mod:`rangeprof.profiler.ir.qdq`): what an INT8 build compiles, its plugin quantizing the FP32
-    graph itself."""
+    graph itself. A model in the operator-oriented format (``QLinearConv``, ``ConvInteger``…)
+    loads in its QDQ form first (:mod:`rangeprof.profiler.ir.operator_quantized`)."""
     path = Path(path)
     if not path.exists():
         raise InvalidModelError(f"{path}: no such file")
@@ -236,10 +238,11 @@ def _load(
     _check_element_types(model, source)
     dtypes = {vi.name: _dtype(vi, source) for vi in inputs}
     _name_nodes(model.graph)
-    embedded, removed = (), {}
+    removed = as_qdq(model)  # operator-oriented quantization as QDQ pairs (.operator_quantized)
+    embedded = ()
     if dequantize:
         stripped = dequantized(model)
-        model, embedded, removed = stripped.model, stripped.embedded, stripped.fates
+        model, embedded, removed = stripped.model, stripped.embedded, removed | stripped.fates
     expanded = _expanded(model, opset)
     _constant_values(expanded.graph)
     value_inputs = _value_inputs(expanded.graph)

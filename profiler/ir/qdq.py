@@ -15,11 +15,17 @@ it quantizes:
   the ``QuantizeLinear``, to keep the FP32 model's meaning;
 * a **weight** ``DequantizeLinear`` of an integer initializer (or a pair on a float one) becomes
   the float initializer it computes, named after its output;
+* a **dynamic pair** ``x → DynamicQuantizeLinear → DequantizeLinear`` (the form
+  :mod:`rangeprof.profiler.ir.operator_quantized` gives ``quantize_dynamic``'s activations) is
+  removed too: its consumers read ``x``. Its scale is computed per run, so it embeds no
+  parameters (the tensor's qparams come from a profile); its grid spans the tensor's own minimum
+  and maximum, so taking it out clamps nothing;
 * where a removed ``DequantizeLinear`` output is a graph output, the tensor keeps that name.
 
 Everything else stays as it is: a ``QuantizeLinear`` whose output leaves the graph or feeds an
-operator-oriented node (``QLinearConv``…), blocked quantization, pairs whose scale is computed.
-Removed nodes get the fate ``qdq:<tensor>`` (their scale is that tensor's).
+operator-oriented node that :mod:`~rangeprof.profiler.ir.operator_quantized` left as it is,
+blocked quantization, other pairs whose scale is computed. Removed nodes get the fate
+``qdq:<tensor>`` (their scale is that tensor's).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-QUANTIZE, DEQUANTIZE = "QuantizeLinear", "DequantizeLinear"
+QUANTIZE, DEQUANTIZE, DYNAMIC = "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"
 _DOMAINS = ("", "ai.onnx", "com.microsoft")
 # Operators that compute on quantized integers themselves (ONNX's operator-oriented format).
 INTEGER_OPS = frozenset(
@@ -76,7 +82,7 @@ def _is(node: onnx.NodeProto, op: str) -> bool:
     return node.op_type == op and node.domain in _DOMAINS
 
 
-class _Graph:
+class Graph:
     """Producers, consumers and constant values of one graph's tensors."""
 
     def __init__(self, graph: onnx.GraphProto):
@@ -100,7 +106,7 @@ class _Graph:
         return None
 
 
-def _params(node: onnx.NodeProto, g: _Graph) -> tuple[np.ndarray, np.ndarray, int | None] | None:
+def _params(node: onnx.NodeProto, g: Graph) -> tuple[np.ndarray, np.ndarray, int | None] | None:
     """``(scale, zero_point, axis)`` of a Q or DQ node with constant parameters, else None."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if attrs.get("block_size", 0):
@@ -156,7 +162,7 @@ def _fake_quantized(x: np.ndarray, scale, zero, axis) -> np.ndarray:
 class _Rewriter:
     def __init__(self, model: onnx.ModelProto):
         self.model = model
-        self.g = _Graph(model.graph)
+        self.g = Graph(model.graph)
         self.embedded: list[EmbeddedQ] = []
         self.fates: dict[str, str] = {}
         self.removed: set[int] = set()  # id() of removed nodes
@@ -171,19 +177,34 @@ class _Rewriter:
             if not _is(node, DEQUANTIZE):
                 continue
             params = _params(node, g)
-            if params is None:
-                continue
             source = node.input[0]
             q = g.producer.get(source)
+            if params is None:
+                if q is not None and _is(q, DYNAMIC) and list(node.input) == list(q.output):
+                    pairs[id(q)].append(node)
+                continue
             if q is not None and _is(q, QUANTIZE):
                 pairs[id(q)].append(node)
             elif g.value(source) is not None:
                 self._weight(node, _dequantized_weight(g.value(source), *params), params)
         for q in g.graph.node:
             dqs = pairs.get(id(q))
-            if dqs and self._pairs_whole(q, dqs):
+            if dqs and _is(q, DYNAMIC):
+                self._dynamic_pair(q, dqs)
+            elif dqs and self._pairs_whole(q, dqs):
                 self._pair(q, dqs)
         return self._finish()
+
+    def _dynamic_pair(self, q: onnx.NodeProto, dqs: list[onnx.NodeProto]) -> None:
+        """Take out a dynamic pair whose ``DynamicQuantizeLinear`` nothing else reads."""
+        readers = [n for out in q.output for n in self.g.consumers[out]]
+        if self.g.outputs & set(q.output) or any(all(n is not dq for dq in dqs) for n in readers):
+            return
+        x = q.input[0]
+        self._remove(q, x)
+        for dq in dqs:
+            self._remove(dq, x)
+            self.renames[dq.output[0]] = x
 
     def _pairs_whole(self, q: onnx.NodeProto, dqs: list[onnx.NodeProto]) -> bool:
         """Every consumer of ``q`` is a DequantizeLinear with ``q``'s own parameters."""
@@ -284,11 +305,11 @@ class _Rewriter:
         del graph.node[:]
         graph.node.extend(kept)
         graph.initializer.extend(self.new_weights)
-        _drop_unused(graph)
+        drop_unused(graph)
         return Dequantized(self.model, tuple(self.embedded), self.fates)
 
 
-def _drop_unused(graph: onnx.GraphProto) -> None:
+def drop_unused(graph: onnx.GraphProto) -> None:
     """Initializers and value infos of tensors no node reads or writes any more."""
     used = {name for node in graph.node for name in node.input}
     used |= {o.name for o in graph.output}
