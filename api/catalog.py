@@ -2,14 +2,14 @@
 its rows, or neither, and so does finishing a build with its artifact; deleting a model removes
 its rows and every blob no row refers to any more.
 
-A process-wide lock orders blob writes and deletions against the transactions that refer to
-them, so a delete never removes a blob that a concurrent upload of the same bytes is about to
-use.
+The store's lock (:meth:`BlobStore.lock`, held by one thread of one process of this host at a
+time) orders blob writes and deletions against the transactions that refer to them, so a delete
+never removes a blob that a concurrent upload of the same bytes, in any server process, is about
+to use.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,11 +24,10 @@ from .uploads import ModelAnalysis
 MODEL_SUFFIX = ".onnx"
 DATA_SUFFIX = ".npz"
 ARTIFACT_SUFFIX = ".zip"
-_LOCK = threading.Lock()
 
 
 def add_model(db: Database, store: BlobStore, owner_id: int, analysis: ModelAnalysis) -> int:
-    with _LOCK:
+    with store.lock():
         sha256 = analysis.sha256
         created = store.adopt(analysis.staged, sha256, MODEL_SUFFIX)
         try:
@@ -55,7 +54,7 @@ def add_model(db: Database, store: BlobStore, owner_id: int, analysis: ModelAnal
 
 def add_run(db: Database, store: BlobStore, run: Run, staged: Path | None) -> int:
     """Queue ``run``; ``staged`` is its checked .npz (``run.data_sha256`` its hash), if any."""
-    with _LOCK:
+    with store.lock():
         created = staged is not None and store.adopt(staged, run.data_sha256, DATA_SUFFIX)
         try:
             with db.session() as session:
@@ -73,7 +72,7 @@ def add_job(
 ) -> int:
     """Queue an evaluation or a build; ``staged`` maps the sha256 of each checked .npz it refers
     to (evaluation data, labels) to its file."""
-    with _LOCK:
+    with store.lock():
         created = [sha for sha, path in staged.items() if store.adopt(path, sha, DATA_SUFFIX)]
         try:
             with db.session() as session:
@@ -90,14 +89,18 @@ def add_artifact(
     db: Database, store: BlobStore, staged: Path, sha256: str, finish: Callable[[Session], bool]
 ) -> bool:
     """Store a build's zipped artifact and mark the build done with ``finish``, which is false
-    when the build is gone (its model deleted meanwhile): then the blob is not kept."""
-    with _LOCK:
+    when the build is gone (its model deleted meanwhile): then the blob is not kept. The
+    transaction is retried while the database error can pass (the worker's results are)."""
+
+    def finished() -> bool:
+        with db.session() as session:
+            return finish(session)
+
+    with store.lock():
         created = store.adopt(staged, sha256, ARTIFACT_SUFFIX)
         kept = False
         try:
-            with db.session() as session:
-                found = finish(session)
-            kept = found  # and committed
+            kept = db.retried(finished, "storing a build's artifact")  # and committed
         finally:
             if created and not kept:
                 store.remove(sha256, ARTIFACT_SUFFIX)
@@ -106,7 +109,7 @@ def add_artifact(
 
 def delete_model(db: Database, store: BlobStore, owner_id: int, model_id: int) -> bool:
     """Delete a model of ``owner_id``; ``False`` if there is none."""
-    with _LOCK:
+    with store.lock():
         with db.session() as session:
             model = session.get(Model, model_id)
             if model is None or model.owner_id != owner_id:

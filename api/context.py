@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, selectinload
 from .db import Database
 from .jobs import NotCancellable, Worker, mark_cancelled
 from .limits import Limits
-from .models import Build, Evaluation, Model, Run
+from .models import Build, Evaluation, Model, Run, Token
 from .storage import BlobStore
 
 log = logging.getLogger(__name__)
@@ -115,8 +115,8 @@ def require_done(job, kind: str, job_id: int) -> None:
         raise HTTPException(status.HTTP_409_CONFLICT, f"{kind} {job_id} is {job.status}{why}")
 
 
-def check_queue(session: Session, owner: int, limits: Limits) -> None:
-    """429 while the token already has its limit of jobs waiting for a worker."""
+def _queued(session: Session, owner: int) -> int:
+    """The token's jobs waiting for a worker."""
     waiting = [
         select(func.count(Run.id)).join(Model).where(Run.status == "queued"),
         select(func.count(Build.id))
@@ -127,14 +127,58 @@ def check_queue(session: Session, owner: int, limits: Limits) -> None:
         .join(Model, Run.model_id == Model.id)
         .where(Evaluation.status == "queued"),
     ]
-    queued = sum(session.scalar(q.where(Model.owner_id == owner)) for q in waiting)
+    return sum(session.scalar(q.where(Model.owner_id == owner)) for q in waiting)
+
+
+def _queue_full(queued: int) -> HTTPException:
+    return HTTPException(
+        status.HTTP_429_TOO_MANY_REQUESTS,
+        f"{queued} jobs of this token are queued, this server's limit; "
+        "queue more once some have run",
+        headers={"Retry-After": "30"},
+    )
+
+
+def check_queue(session: Session, owner: int, limits: Limits) -> None:
+    """429 while the token already has its limit of jobs waiting for a worker: the early answer,
+    before an upload is checked and stored (:func:`admit_jobs` makes the limit exact)."""
+    queued = _queued(session, owner)
     if queued >= limits.max_queued_per_token:
-        raise HTTPException(
-            status.HTTP_429_TOO_MANY_REQUESTS,
-            f"{queued} jobs of this token are queued, this server's limit; "
-            "queue more once some have run",
-            headers={"Retry-After": "30"},
-        )
+        raise _queue_full(queued)
+
+
+def _owner_of(session: Session, job: Run | Evaluation | Build) -> int | None:
+    """The token owning a job about to be queued; ``None`` once its model is gone."""
+    if isinstance(job, Evaluation):
+        query = select(Model.owner_id).join(Run).where(Run.id == job.run_id)
+    else:
+        query = select(Model.owner_id).where(Model.id == job.model_id)
+    return session.scalar(query)
+
+
+def admit_jobs(db: Database, limits: Limits) -> None:
+    """Make the per-token queue limit exact under a burst: every job entering the queue is
+    counted in the transaction inserting it, under a lock on its token's row (``FOR UPDATE`` on
+    PostgreSQL; SQLite's writers take turns already), so two requests never both see the last
+    free place. Over the limit, the insert is refused with 429."""
+
+    def admit(session: Session) -> None:
+        jobs = [
+            job
+            for job in session.new
+            if isinstance(job, Run | Evaluation | Build) and job.status in (None, "queued")
+        ]
+        with session.no_autoflush:
+            for job in jobs:
+                owner = _owner_of(session, job)
+                if owner is None:  # its model was deleted: the insert fails on the foreign key
+                    continue
+                session.execute(select(Token.id).where(Token.id == owner).with_for_update())
+                queued = _queued(session, owner)
+                if queued >= limits.max_queued_per_token:
+                    raise _queue_full(queued)
+
+    db.on_flush(admit)
 
 
 def cancelled(job) -> None:

@@ -7,18 +7,27 @@ that reads and then writes would otherwise fail with "database is locked" instea
 when another connection wrote in between. :meth:`Database.read` transactions only read, and
 start with a plain ``BEGIN``: they do not queue behind each other for the write lock. PostgreSQL
 URLs use psycopg 3. The pool holds as many connections as the server has request threads.
+
+Errors that can pass (:func:`transient`: a connection lost, a serialization failure, a locked
+SQLite, a full disk) are what :meth:`Database.retried` tries again, with backoff, for
+``RANGEPROF_DB_RETRY_S``; the worker's reads and writes go through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import QueuePool
 
@@ -30,10 +39,39 @@ _SQLITE_BUSY_TIMEOUT_S = 30
 # anyio's default of 40 threads runs the sync request handlers: one connection each at most.
 _POOL = {"pool_size": 8, "max_overflow": 32}
 _READ_ONLY = "rangeprof_read_only"  # execution option of Database.read's connections
+_FIRST_PAUSE_S, _LONGEST_PAUSE_S = 0.05, 2.0  # between tries of Database.retried
+_DISK_FULL, _FOREIGN_KEY = "53100", "23503"  # PostgreSQL's SQLSTATEs
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class DatabaseUrlError(RangeprofError):
     """The database URL is malformed or names a backend we do not support."""
+
+
+def transient(err: BaseException) -> bool:
+    """Whether a later try can get past database error ``err``: a connection lost (a restart, a
+    killed backend), a serialization failure or a deadlock, a locked SQLite, a full disk; not a
+    constraint or a statement the database refuses."""
+    if isinstance(err, OperationalError | InterfaceError):
+        return True
+    return isinstance(err, DBAPIError) and err.connection_invalidated
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether database error ``err`` says the database's disk is full."""
+    cause = getattr(err, "orig", None)
+    if getattr(cause, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return True
+    return getattr(cause, "sqlstate", None) == _DISK_FULL
+
+
+def foreign_key_violation(err: BaseException) -> bool:
+    """Whether database error ``err`` is a row referring to one that does not exist (any more)."""
+    cause = getattr(err, "orig", None)
+    if getattr(cause, "sqlite_errorcode", None) == sqlite3.SQLITE_CONSTRAINT_FOREIGNKEY:
+        return True
+    return getattr(cause, "sqlstate", None) == _FOREIGN_KEY
 
 
 def data_dir() -> Path:
@@ -114,6 +152,30 @@ class Database:
         """A transaction that only reads (the GET routes): on SQLite it takes no write lock."""
         with self._readers.begin() as session:
             yield session
+
+    def on_flush(self, check: Callable[[Session], None]) -> None:
+        """Call ``check(session)`` before each flush of a :meth:`session`: a check that must
+        see, and lock, what its transaction is about to write (it may raise to refuse it)."""
+        event.listen(self._sessions, "before_flush", lambda session, *_: check(session))
+
+    def retried(self, call: Callable[[], T], what: str, stop: threading.Event | None = None) -> T:
+        """``call()`` (whole transactions: a failed one was rolled back), tried again while it
+        fails with a :func:`transient` error, pausing twice as long each time, for up to
+        ``RANGEPROF_DB_RETRY_S`` seconds; then its last error is raised. Once ``stop`` is set
+        (the worker stopping), a failed try is not tried again."""
+        deadline = time.monotonic() + settings().db_retry_s
+        pause, waiting = _FIRST_PAUSE_S, stop or threading.Event()
+        while True:
+            try:
+                return call()
+            except DBAPIError as err:
+                late = time.monotonic() + pause > deadline
+                if waiting.is_set() or late or not transient(err):
+                    raise
+                reason = next(iter(str(err.orig).strip().splitlines()), type(err.orig).__name__)
+                log.warning("%s: %s; trying again in %.2f s", what, reason, pause)
+            waiting.wait(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
 
     def dispose(self) -> None:
         self.engine.dispose()

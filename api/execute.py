@@ -5,7 +5,10 @@ rangeprof.service.execute``).
 Why a process per job: jobs stay isolated from each other and from the server — onnxsim and the
 build cache's stderr muting touch process-wide state, TVM sizes its thread pool per process, a
 crash or an out-of-memory kill takes one job down and not the server, and a job can be stopped.
-A fresh interpreter costs the imports (about 3 s), small beside a profiling run.
+A fresh interpreter costs the imports (about 3 s), small beside a profiling run. The child holds
+itself to ``RANGEPROF_JOB_MEMORY_MB`` of address space, the memory the server's estimate let the
+job in with (:mod:`rangeprof.service.estimate`): an allocation past it fails the job with
+"memory limit", never the host.
 
 The child runs in a folder that holds the model and the data under their upload names, so the
 document says ``digits_cnn`` and ``calib.npz:calib`` just as a CLI run on those files would.
@@ -65,6 +68,7 @@ def _main() -> None:
     os.dup2(2, 1)  # stray prints (TVM, onnxsim) must not garble the answers
     job = Job(**json.loads(sys.stdin.readline()))
     threading.Thread(target=_exit_with_worker, daemon=True).start()
+    limit = _limit_memory(job)
 
     def answer(**message) -> None:
         answers.write(json.dumps(message) + "\n")
@@ -72,15 +76,46 @@ def _main() -> None:
 
     from rangeprof.profiler.errors import RangeprofError
 
+    from .storage import out_of_space
+
     try:
         result = {PROFILE: _profile, EVALUATE: _evaluate, BUILD: _build}[job.task](job, answer)
     except RangeprofError as err:
-        answer(failed=str(err))
-    except Exception as err:  # our bug: keep the traceback in the worker's log
-        traceback.print_exc()
+        answer(failed=_over_memory(err, limit) or str(err))
+    except Exception as err:
+        if over := _over_memory(err, limit):
+            answer(failed=over)
+            return
+        if out_of_space(err):  # its folder is on the store's disk: the result could not be written
+            answer(failed=f"no space left on the server's storage: {err}")
+            return
+        traceback.print_exc()  # our bug: keep the traceback in the worker's log
         answer(failed=f"internal error: {type(err).__name__}: {err}")
     else:
         answer(done=result)
+
+
+def _limit_memory(job: Job) -> int | None:
+    """Hold this process to ``RANGEPROF_JOB_MEMORY_MB`` of address space, what the server's
+    estimate let in (:mod:`rangeprof.service.estimate`); return it. A profile on a Ray cluster
+    does its work there, under Ray's own limits (its processes would inherit this one)."""
+    if job.ray is not None:
+        return None
+    from .memory import MB, limit_address_space
+    from .settings import settings
+
+    limit = settings().job_memory_mb
+    limit_address_space(limit * MB)
+    return limit
+
+
+def _over_memory(err: Exception, limit: int | None) -> str | None:
+    """The job's failure when ``err`` is an allocation over its memory ``limit``."""
+    from .memory import out_of_memory
+
+    if limit is None or not out_of_memory(err):
+        return None
+    return f"stopped at this server's memory limit for a job, {limit} MB"
 
 
 def _profile(job: Job, answer: Callable[..., None]) -> dict:

@@ -5,7 +5,7 @@ the size its arrays unpack to (a small zip of zeros can unpack to gigabytes). Ru
 (samples, histogram bins, batch size): the defaults are the OpenAPI schema's ``maximum``; a
 server configured lower refuses more (422). A job's wall time: the worker stops it and fails it
 with the reason. Jobs queued per token: more is 429 until some have run. Uploads received at
-once: more is 503 with ``Retry-After``.
+once (requests carrying file bytes): more is 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -25,6 +26,7 @@ MB = 1 << 20
 _MULTIPART_SLACK = 64 * 1024  # boundaries, headers and small form fields around the file
 _OTHER_BODIES = 1 * MB  # JSON bodies (calibration options)
 _CHUNK = 1 * MB
+_FILE_PART = b"filename="  # in the headers of a multipart part that carries a file
 _RUNS_PATH = re.compile(r"^/api/models/[^/]+/runs$")
 # Evaluation data and labels (or a report); a build's with an accuracy budget.
 _EVALUATIONS_PATH = re.compile(r"^/api/runs/[^/]+/(evaluations(/report)?|builds)$")
@@ -40,7 +42,7 @@ class Limits:
     max_batch_size: int = 4096
     max_job_seconds: float = 3600.0  # a run, evaluation or build, then it fails with the reason
     max_queued_per_token: int = 16  # jobs waiting for a worker: one token cannot starve others
-    max_concurrent_uploads: int = 8  # requests with a file being received and checked at once
+    max_concurrent_uploads: int = 8  # requests with file bytes being received and checked at once
 
 
 DEFAULT_LIMITS = Limits()
@@ -106,33 +108,62 @@ class BodyLimit:
             await self._receive(scope, receive, send, what, limit)
             return
         # Each upload holds disk space and a thread while it is received and checked: past the
-        # cap, a client retries rather than the server running out of either. The counter is
-        # only touched on the event loop's thread, so it needs no lock.
-        if self._uploads >= self.limits.max_concurrent_uploads:
-            busy = JSONResponse(
-                {"detail": f"the server is receiving {self._uploads} uploads; retry shortly"},
-                status.HTTP_503_SERVICE_UNAVAILABLE,
-                headers={"Retry-After": "2"},
-            )
-            await busy(scope, receive, send)
-            return
-        self._uploads += 1
+        # cap, a client retries rather than the server running out of either. What counts is a
+        # request carrying a file: a body past the form fields' slack (by its Content-Length),
+        # or a part naming a file as it arrives; a run of random samples carries none. The
+        # counter is only touched on the event loop's thread, so it needs no lock.
+        holds = False
+
+        def carrying(file: bool) -> bool:
+            """Count the request once it shows a file; tell whether it counts."""
+            nonlocal holds
+            if holds or not file:
+                return holds
+            if self._uploads >= self.limits.max_concurrent_uploads:
+                raise HTTPException(
+                    status.HTTP_503_SERVICE_UNAVAILABLE,
+                    f"the server is receiving {self._uploads} uploads; retry shortly",
+                    headers={"Retry-After": "2"},
+                )
+            self._uploads += 1
+            holds = True
+            return holds
+
         try:
-            await self._receive(scope, receive, send, what, limit)
+            try:
+                carrying(length.isdigit() and int(length) > _MULTIPART_SLACK)
+            except HTTPException as busy:
+                answer = JSONResponse({"detail": busy.detail}, busy.status_code, busy.headers)
+                await answer(scope, receive, send)
+                return
+            await self._receive(scope, receive, send, what, limit, carrying)
         finally:
-            self._uploads -= 1
+            if holds:
+                self._uploads -= 1
 
     async def _receive(
-        self, scope: Scope, receive: Receive, send: Send, what: str, limit: int
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        what: str,
+        limit: int,
+        carrying: Callable[[bool], bool] | None = None,
     ) -> None:
-        received = 0
+        received, tail = 0, b""
+        watching = carrying is not None
 
         async def counted() -> Message:
-            nonlocal received
+            nonlocal received, tail, watching
             message = await receive()
-            received += len(message.get("body", b""))
+            body = message.get("body", b"")
+            received += len(body)
             if received > limit:
                 raise _too_large(what, limit)  # FastAPI passes it on from body parsing
+            if watching:  # a 503 is passed on the same way
+                seen = tail + body  # the marker may straddle two chunks
+                watching = not carrying(received > _MULTIPART_SLACK or _FILE_PART in seen)
+                tail = seen[-len(_FILE_PART) :]
             return message
 
         await self.app(scope, counted, send)

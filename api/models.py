@@ -13,6 +13,9 @@
 * ``evaluation``: FP32 vs INT8 error of a run's ranges on data (``rangeprof evaluate``),
   executed by the worker like a run, or uploaded as a ``rangeprof evaluate --json`` report.
 
+A job (run, evaluation, build) counts the ``attempts`` to execute it: a worker's claim adds one,
+and a job whose worker died is queued again while it has retries left.
+
 A job's options are one column, ``request``: the request of its workflow
 (:mod:`rangeprof.workflows.requests`) exactly as the job process runs it, its paths the names
 of the files in the job's folder (the model, ``calib.npz:calib``, ``profile.json``). It is
@@ -181,6 +184,7 @@ class Run(Base):
     samples_total: Mapped[int | None]
     worker: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -255,6 +259,7 @@ class Build(Base):
     phase: Mapped[str | None] = mapped_column(String(64))
     worker: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     artifact_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     manifest: Mapped[dict[str, Any] | None]  # the artifact's manifest.json
     timings: Mapped[dict[str, Any] | None]
@@ -294,6 +299,7 @@ class Evaluation(Base):
     phase: Mapped[str | None] = mapped_column(String(64))
     worker: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

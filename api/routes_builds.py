@@ -26,6 +26,8 @@ from .context import (
     own_run,
     require_done,
 )
+from .estimate import accept
+from .execute import BUILD
 from .job_requests import (
     ARTIFACT_FOLDER,
     PROFILE_FILE,
@@ -158,6 +160,7 @@ def create_build(
             if qparams is None or qparams.run_id != run_id:
                 raise UploadError(f"run {run_id} has no qparams {body.qparams_id}")
     check_run_options(service.limits, samples=body.samples)
+    estimate = accept(service.db, model, BUILD, data=body.data is not None)
     with service.store.scratch() as folder:
         uploaded = None
         if body.data is not None:
@@ -171,6 +174,7 @@ def create_build(
                 body.labels_key,
                 body.samples,
             )
+            estimate.refuse_over_time(uploaded.samples, service.limits.max_job_seconds)
         options = body.model_dump(include=set(QuantizeOptions.model_fields))
         if not derived:  # the stored set's method
             options = {k: v for k, v in options.items() if k not in ("method", "percentile")}

@@ -27,6 +27,8 @@ from .context import (
     require_done,
 )
 from .documents import load_profile, zipped
+from .estimate import accept
+from .execute import EVALUATE
 from .job_requests import PROFILE_FILE, calibration_data, job_request, model_file, npz_ref
 from .limits import check_run_options
 from .models import Evaluation, Model, Run, TensorStat, utcnow
@@ -116,6 +118,7 @@ def create_evaluation(
         calibration = calibration_data(run, form.bias_correction)
         check_queue(session, owner, service.limits)
     check_run_options(service.limits, samples=form.samples)
+    estimate = accept(service.db, model, EVALUATE)
     with service.store.scratch() as folder:
         uploaded = stage_evaluation_data(
             folder,
@@ -127,6 +130,7 @@ def create_evaluation(
             form.labels_key,
             form.samples,
         )
+        estimate.refuse_over_time(uploaded.samples, service.limits.max_job_seconds)
         request = job_request(
             EvaluateRequest,
             model=model_file(model),

@@ -35,6 +35,8 @@ from .context import (
 )
 from .documents import load_profile, tensor_rows, zipped
 from .drift import tensor_drift
+from .estimate import accept
+from .execute import PROFILE
 from .job_requests import job_request, model_file
 from .limits import check_run_options, check_unpacked, copy_file
 from .models import Evaluation, QParamsSet, Run
@@ -114,6 +116,7 @@ def create_run(
     limits = service.limits
     samples = form.random or form.samples
     check_run_options(limits, samples=samples, bins=form.bins, batch_size=form.batch_size)
+    estimate = accept(service.db, model, PROFILE, batch=form.batch_size, bins=form.bins)
     with service.store.scratch() as folder:
         staged = sha256 = name = None
         if form.data is not None:
@@ -122,7 +125,7 @@ def create_run(
             sha256 = copy_file(form.data.file, staged, "the data file", limits.max_data_bytes)
             check_unpacked(staged, "the data file", limits.max_unpacked_bytes)
         spec = data_spec(name, form.key)
-        check_data(
+        count = check_data(
             folder,
             spec,
             model.inputs,
@@ -132,6 +135,7 @@ def create_run(
             allow_nonfinite=form.allow_nonfinite,
             cast=form.cast,
         )
+        estimate.refuse_over_time(count, limits.max_job_seconds)
         options = form.model_dump(include=set(ProfileOptions.model_fields))
         request = job_request(
             ProfileRequest,

@@ -389,7 +389,7 @@ class EvaluationSummary(BaseModel):
     phase: str | None = Field(description="compiling fp32 / int8 / shadow, evaluating.")
     method: str = Field(description="As asked (all: see the report's method and methods).")
     target: str
-    weight_bits: int
+    weight_bits: int | None = Field(description="null: the target's choice, per layer.")
     percentile: float | None = Field(description="null for uploaded reports.")
     samples: int | None
     data: NpzRef | None
@@ -459,7 +459,7 @@ class BuildSummary(BaseModel):
     target: str
     method: str | None = Field(description="null when built from stored qparams.")
     percentile: float | None
-    weight_bits: int
+    weight_bits: int | None = Field(description="null: the target's choice, per layer.")
     data: NpzRef | None = Field(description="The accuracy budget's evaluation data.")
     labels: NpzRef | None
     status: RunStatus

@@ -176,7 +176,11 @@ def _our_rows(
     variants = {
         "plain": {"profile": profiles[False]},
         "+cle": {"profile": profiles[True]},
-        "+bc": {"profile": profiles[False], "bias_correction": f"{data_path}:calib"},
+        "+bc": {
+            "profile": profiles[False],
+            "bias_correction": "measured",
+            "calibration_data": f"{data_path}:calib",
+        },
         "+bc-stored": {"profile": profiles[False], "bias_correction": "stored"},
     }
     rows = []

@@ -1,19 +1,22 @@
 """FP32 latency of our CPU build (rangeprof.profiler.compile.schedules.build) against onnxruntime,
 same process.
 
-For each shared model: cold build time, median latency (of block medians) over ``--runs`` runs
-after warm-up, the same for onnxruntime's CPUExecutionProvider with default options (the two
-timed in alternating blocks, :func:`interleaved_blocks_ms`), and the ratio (within each round
-of blocks, the median over rounds: :func:`round_ratio`). Run::
+For each model (a shared model's name, a PyPI test model's name or a path, :func:`model_path`):
+cold build time, median latency (of block medians) over ``--runs`` runs after warm-up, the same
+for onnxruntime's CPUExecutionProvider with default options but as many threads as ours
+(``TVM_NUM_THREADS``, default every core; the two timed in alternating blocks,
+:func:`interleaved_blocks_ms`), and the ratio (within each round of blocks, the median over
+rounds: :func:`round_ratio`). PyPI models take their zoo entry's input shapes, ``--input-shape
+NAME=DIMS`` fixes others' dynamic inputs (PP-LCNet's ``ppocr_cls``: ``x=1x3x48x192``). Run::
 
-    python benchmarks/fp32_latency.py [--runs 50] [--json out.json]
+    [TVM_NUM_THREADS=1] python benchmarks/fp32_latency.py [--models NAME...] [--runs 50]
+        [--input-shape NAME=DIMS] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -22,7 +25,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 NAMES = ("resnet18", "mobilenet_v2", "tiny_bert", "digits_cnn")
 sys.path.insert(0, str(REPO))
 # TVM halves the core count on x86 (hyper-threading) unless told: set it before any kernel runs.
@@ -32,41 +34,16 @@ import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from rangeprof.profiler.compile.schedules import build  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    input_shapes,
+    interleaved_blocks_ms,
+    median_ms,
+    model_path,
+    round_ratio,
+)
+from rangeprof.profiler.compile.schedules import build, host_target  # noqa: E402
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
-from rangeprof.profiler.ir.onnx_load import load_model  # noqa: E402
-
-
-def interleaved_blocks_ms(fns: dict, runs: int, block: int = 5) -> dict[str, list[float]]:
-    """Each callable's median ms per block of ``block`` calls, ``⌈runs / block⌉`` blocks timed
-    round-robin (round ``r`` is block ``r`` of every contender) so that a slow spell of this
-    shared machine lands on every contender alike instead of on whichever ran during it. Each
-    block follows a pause and an untimed call: a thread pool spins for a while after its last
-    call (onnxruntime's made the next TVM call 3-5x slower) and would steal the cores of the
-    next contender."""
-    blocks: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(math.ceil(runs / block)):
-        for name, fn in fns.items():
-            time.sleep(0.2)
-            fn()
-            times = []
-            for _ in range(block):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            blocks[name].append(float(np.median(times) * 1e3))
-    return blocks
-
-
-def median_ms(blocks: dict[str, list[float]]) -> dict[str, float]:
-    """The median of each contender's block medians."""
-    return {name: float(np.median(b)) for name, b in blocks.items()}
-
-
-def round_ratio(blocks: dict[str, list[float]], a: str, b: str) -> float:
-    """``a``'s time over ``b``'s, the median over rounds of the ratio within each round: the
-    machine's speed drifts by tens of percent over a run, a round's contenders share it."""
-    return float(np.median(np.divide(blocks[a], blocks[b])))
+from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noqa: E402
 
 
 def _feeds(mod, session) -> dict[str, np.ndarray]:
@@ -74,21 +51,24 @@ def _feeds(mod, session) -> dict[str, np.ndarray]:
     feeds = {}
     for inp, param in zip(session.get_inputs(), mod["main"].params, strict=False):
         shape = [int(d) for d in param.ty.shape.values]
-        if "int" in inp.type:
-            feeds[inp.name] = rng.integers(0, 100, shape).astype(np.int64)
+        dtype = str(param.ty.dtype)
+        if "int" in dtype:
+            feeds[inp.name] = rng.integers(0, 100, shape).astype(dtype)
         else:
-            feeds[inp.name] = rng.random(shape).astype(np.float32)
+            feeds[inp.name] = rng.random(shape).astype(dtype)
     return feeds
 
 
-def measure(name: str, runs: int) -> dict:
-    path = MODELS / f"{name}.onnx"
-    mod = import_onnx(load_model(path)).mod
+def measure(name: str, runs: int, shapes: dict) -> dict:
+    path = model_path(name)
+    mod = import_onnx(load_model(path, {**input_shapes(name), **shapes})).mod
     start = time.perf_counter()
     executable = build(mod)
     build_s = time.perf_counter() - start
     vm = relax.VirtualMachine(executable, tvm.cpu())
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = int(os.environ["TVM_NUM_THREADS"])
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     feeds = _feeds(mod, session)
     args = [tvm.runtime.tensor(x) for x in feeds.values()]
     blocks = interleaved_blocks_ms(
@@ -109,8 +89,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--models", nargs="*", default=list(NAMES))
+    parser.add_argument(
+        "--input-shape", action="append", default=[], type=parse_input_shape, metavar="NAME=DIMS"
+    )
     opts = parser.parse_args()
-    rows = [measure(name, opts.runs) for name in opts.models if (MODELS / f"{name}.onnx").exists()]
+    rows = [measure(name, opts.runs, dict(opts.input_shape)) for name in opts.models]
     print(f"{'model':<14}{'build s':>9}{'ours ms':>10}{'ort ms':>9}{'ratio':>8}")
     for r in rows:
         print(
@@ -119,7 +102,14 @@ def main() -> None:
         )
     if opts.json:
         opts.json.write_text(
-            json.dumps({"threads": os.environ["TVM_NUM_THREADS"], "rows": rows}, indent=2)
+            json.dumps(
+                {
+                    "threads": os.environ["TVM_NUM_THREADS"],
+                    "target": json.loads(str(host_target())),
+                    "rows": rows,
+                },
+                indent=2,
+            )
         )
 
 

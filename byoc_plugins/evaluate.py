@@ -32,6 +32,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from rangeprof.profiler.compile.threads import vm_function
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.data import model_inputs, open_arrays, open_data
 
@@ -84,6 +85,7 @@ class LayerError:
     pattern: str
     mode: str
     scale: float | None
+    weight_bits: int | None  # None: FP32, or no constant weights
     isolated: _Error = field(default_factory=_Error)
     accumulated: _Error = field(default_factory=_Error)
 
@@ -94,6 +96,7 @@ class LayerError:
             "region": self.region,
             "pattern": self.pattern,
             "mode": self.mode,
+            "weight_bits": self.weight_bits,
             "isolated_sqnr_db": _db(self.isolated.sqnr_db),
             "accumulated_sqnr_db": _db(self.accumulated.sqnr_db),
             "isolated_rmse_per_scale": round(self.isolated.rmse / scale, 4),
@@ -109,6 +112,7 @@ class Evaluation:
     fp32_correct: int | None
     int8_correct: int | None
     layers: list[LayerError]
+    weight_bits: int | None  # the policy's: None, chosen per layer
     kept_fp32: list[str] = field(default_factory=list)  # profileIDs of regions kept in FP32
     kept_int16: list[str] = field(default_factory=list)  # ... run on int16 activations
     fp32_metric: float | None = None  # the caller's metric, when given
@@ -143,6 +147,7 @@ class Evaluation:
     def to_json(self) -> dict:
         doc = {
             "samples": self.samples,
+            "weight_bits": self.weight_bits,
             "agreement": round(self.agreement, 3),
             "output_sqnr_db": _db(self.output.sqnr_db),
             "layers": [e.to_json() for e in self.ranked()],
@@ -171,7 +176,7 @@ class Program:
         self.vm = relax.VirtualMachine(qm.plugin.compile(mod), tvm.cpu())
 
     def run(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        result = self.vm["main"](*(tvm.runtime.tensor(a) for a in inputs))
+        result = vm_function(self.vm)(*(tvm.runtime.tensor(a) for a in inputs))
         return _first(result[0]).numpy(), [result[i + 1].numpy() for i in range(len(self.ids))]
 
 
@@ -214,7 +219,7 @@ def program(
     ``announce`` is called before a compile."""
     key = (name, tuple(sorted(modes.items())))
     if name != "fp32":
-        key += (tuple((r.name, r.input, r.output, _bias(r)) for r in qm.regions),)
+        key += (tuple((r.name, r.input, r.output, r.weight_bits, _bias(r)) for r in qm.regions),)
     if key not in compiled:
         if announce:
             announce()
@@ -249,7 +254,12 @@ def evaluate(
     programs = _programs(qm, modes, {} if compiled is None else compiled, progress)
     layers = [
         LayerError(
-            r.output_id, r.name, r.pattern, modes[r.name], r.output.scale if r.output else None
+            r.output_id,
+            r.name,
+            r.pattern,
+            modes[r.name],
+            r.output.scale if r.output else None,
+            qm.weight_bits(r, modes[r.name]),
         )
         for r in quantizable
     ]
@@ -272,6 +282,7 @@ def evaluate(
         fp32_correct=tally.fp32_correct if top1 else None,
         int8_correct=tally.int8_correct if top1 else None,
         layers=layers,
+        weight_bits=qm.plugin.policy.weight_bits,
         kept_fp32=sorted(kept_fp32),
         kept_int16=sorted(kept_int16 - kept_fp32),
         **scores,

@@ -315,7 +315,8 @@ class _Lowerer:
         if region.float_region.kind == BATCH_MATMUL:
             core = batch_matmul_core(region, self.policy, shapes, name, integer)
         else:
-            core = integer_core(region, self.policy, shapes[0], name, integer)
+            policy = self.policy.for_layer(region.weight_bits)
+            core = integer_core(region, policy, shapes[0], name, integer)
         return self._emit_core(core, name, operands, region.profile_ids)
 
     def _emit_core(self, core: relax.Function, name: str, operands: list, ids) -> relax.Expr:
@@ -332,14 +333,15 @@ class _Lowerer:
         fr, ids = region.float_region, region.profile_ids
         if fr.weight is None or not self.policy.wide_activations:
             raise ValueError(f"{region.name} cannot run on int16 activations")
-        x, levels = wide_input(region.input, fr.weight, fr.channel_axis, self.policy)
+        policy = self.policy.for_layer(8)  # the most sensitive layers: 8-bit weights
+        x, levels = wide_input(region.input, fr.weight, fr.channel_axis, policy)
         xq = self.bb.emit(_boundary(self.bb, relax.op.quantize, args[0], x, ids, x.dtype))
         xq = self.bb.emit(with_ids(relax.op.clip(xq, -levels, levels), ids))  # symmetric
         integer = self.policy.integer_outputs
         y = region.output.symmetric(x.dtype) if integer else None
         shape = [int(d) for d in xq.ty.shape.values]
         name = f"{region.name}_{x.dtype}"
-        core = integer_core(region, self.policy, shape, name, integer, x, y)
+        core = integer_core(region, policy, shape, name, integer, x, y)
         out = self._emit_core(core, name, [xq], ids)
         if integer:
             out = _boundary(self.bb, relax.op.dequantize, out, y, ids, "float32")

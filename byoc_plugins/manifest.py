@@ -41,6 +41,9 @@ class WeightRecord(_Open):
     dtype: str
     axis: int | None
     scale: list[Number]
+    bits: int | None = Field(
+        None, description="7 (within ±63) or 8 (±127); absent: FP32, or a manifest made before."
+    )
 
 
 class RegionRecord(_Open):

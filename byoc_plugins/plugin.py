@@ -49,7 +49,8 @@ class Plugin:
 
 def get_plugin(name: str, weight_bits: int | None = None) -> Plugin:
     """The plugin of a target name (``x86``, ``aarch64``, ``npu``), its policy's weights in
-    ``weight_bits`` (7 or 8) when given."""
+    ``weight_bits`` (7 or 8) for every layer when given, else as the target chooses (x86: by
+    CPU, per layer without VNNI)."""
     if name not in TARGETS:
         raise RangeprofError(f"unknown target {name!r}; expected one of {', '.join(TARGETS)}")
     module = importlib.import_module(f"rangeprof.byoc.{name}")

@@ -10,8 +10,10 @@ the module for any choice of region modes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tvm
 
@@ -22,10 +24,15 @@ from rangeprof.profiler.ir.onnx_load import load_model
 from rangeprof.profiler.ir.passes.equalize import NAME as EQUALIZATION
 from rangeprof.profiler.ir.stages import canonicalized, partition
 
-from .lowering import lower
+from .lowering import FP32, INT8, INT16, lower
 from .plugin import Plugin
-from .policy import quantize_weights
+from .policy import layer_weight_bits, quantize_weights
 from .regions import Region, plan_regions
+
+if TYPE_CHECKING:
+    from rangeprof.profiler.profiling.records import ProfileDocument
+
+Moments = dict[str, tuple[float, float]]  # (mean, std) of activations by profileID
 
 
 @dataclass
@@ -36,6 +43,7 @@ class QuantizedModel:
     regions: list[Region]
     qparams: dict  # the QPARAMS document used
     bias_correction: dict | None = None  # how the biases were corrected (.bias_correction)
+    moments: Moments | None = None  # the profile's, for weight bits chosen per layer
 
     def lower(self, modes: dict[str, str] | None = None, expose: bool = False):
         """The lowered module and the profileIDs of its exposed outputs (:func:`lower`)."""
@@ -60,9 +68,40 @@ class QuantizedModel:
         regions = plan_regions(
             self.partitioned, self.imported.layers, by_id, fp32_fallback, float_outputs, exclude
         )
-        return QuantizedModel(self.imported, self.plugin, self.partitioned, regions, qparams)
+        regions = [self._with_weight_bits(r) for r in regions]
+        return QuantizedModel(
+            self.imported, self.plugin, self.partitioned, regions, qparams, moments=self.moments
+        )
 
-    def manifest(self) -> dict:
+    def _with_weight_bits(self, region: Region) -> Region:
+        """``region`` with its weights' bits where the policy chooses them per layer
+        (:func:`~.policy.layer_weight_bits`, from the profile's moments of its input). Only
+        dense convs and matmuls run faster on 7-bit weights (a dot product over input
+        channels); depthwise and grouped convs keep 8."""
+        fr = region.float_region
+        if self.plugin.policy.weight_bits is not None or fr.weight is None or region.fallback:
+            return region
+        bits = 8
+        if fr.attrs.get("groups", 1) == 1:
+            moments = (self.moments or {}).get(region.input.profile_id)
+            bits = layer_weight_bits(
+                fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output,
+                moments, fr.bias,
+            )  # fmt: skip
+        return replace(region, weight_bits=bits)
+
+    def weight_bits(self, region: Region, mode: str) -> int | None:
+        """The bits of ``region``'s weights in ``mode`` (None: FP32, or no constant weights);
+        int16 activations (the most sensitive layers) take 8 where the policy chooses."""
+        if region.float_region.weight is None or mode == FP32:
+            return None
+        bits = 8 if mode == INT16 else region.weight_bits
+        return self.plugin.policy.for_layer(bits).weight_bits
+
+    def manifest(self, modes: dict[str, str] | None = None) -> dict:
+        """The manifest's model, target, policy and regions, the regions in ``modes`` (by name;
+        default int8, FP32 for those without qparams)."""
+        modes = {r.name: FP32 if r.fallback else INT8 for r in self.regions} | (modes or {})
         loaded = self.imported.loaded
         return {
             "model": {"name": loaded.name, "sha256": loaded.sha256},
@@ -71,20 +110,36 @@ class QuantizedModel:
             "policy": self.plugin.policy.to_json(),
             "calibration": self.qparams.get("options"),
             **({"bias_correction": self.bias_correction} if self.bias_correction else {}),
-            "regions": [self._region_json(r) for r in self.regions],
+            "regions": [self._region_json(r, modes[r.name]) for r in self.regions],
         }
 
-    def _region_json(self, region: Region) -> dict:
+    def _region_json(self, region: Region, mode: str) -> dict:
         doc = region.to_json()
         fr = region.float_region
         if fr.weight is None:
             return doc
         x_scale = region.input.scale if region.input is not None else None
-        _, scales = quantize_weights(
-            fr.weight, fr.channel_axis, self.plugin.policy, fr.bias, x_scale
-        )
+        bits = self.weight_bits(region, mode)
+        policy = self.plugin.policy.for_layer(bits)
+        _, scales = quantize_weights(fr.weight, fr.channel_axis, policy, fr.bias, x_scale)
         doc["weight"] = {"dtype": "int8", "axis": fr.channel_axis, "scale": scales.tolist()}
+        if bits is not None:
+            doc["weight"]["bits"] = bits
         return doc
+
+
+def profile_moments(profile: ProfileDocument | dict) -> Moments:
+    """The mean and standard deviation of every tensor of ``profile`` (a record or its JSON)
+    that has finite ones."""
+    if isinstance(profile, dict):
+        found = ((t["profile_id"], t.get("mean"), t.get("std")) for t in profile["tensors"])
+    else:
+        found = ((t.profile_id, t.mean, t.std) for t in profile.tensors)
+    return {
+        pid: (float(mean), float(std))
+        for pid, mean, std in found
+        if mean is not None and std is not None and math.isfinite(mean) and math.isfinite(std)
+    }
 
 
 def qparams_from_profile(profile: dict, plugin: Plugin, method: str, percentile: float) -> dict:
@@ -106,13 +161,16 @@ def quantize_model(
     input_shapes: dict | None = None,
     fp32_fallback: bool = False,
     exclude: tuple[str, ...] = (),
+    moments: Moments | None = None,
 ) -> QuantizedModel:
-    """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``.
+    """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``;
+    ``moments`` (:func:`profile_moments` of the qparams' profile) let a policy that chooses
+    weight bits per layer narrow them (without: 8 bits).
 
     A QDQ model is built as the FP32 model beneath its pairs (the plugin quantizes it itself;
     ``rangeprof import-qparams`` gives its pairs' scales as ``qparams``)."""
     imported = import_onnx(load_model(path, input_shapes, dequantize=True))
     equalize = EQUALIZATION in qparams["model"].get("transforms", [])
     partitioned = partition(canonicalized(imported.mod, equalize), plugin.patterns())
-    unplanned = QuantizedModel(imported, plugin, partitioned, [], qparams)
+    unplanned = QuantizedModel(imported, plugin, partitioned, [], qparams, moments=moments)
     return unplanned.replanned(qparams, fp32_fallback, exclude)

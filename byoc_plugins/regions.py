@@ -52,6 +52,8 @@ class Region:
     output_id: str | None  # the tensor the region computes (None: none of the initial IR)
     fallback: str | None = None  # why the region stays FP32
     operand: ActivationQ | None = None  # a batch_matmul's second (activation) operand
+    # Its weights' bits where the policy chooses them per layer (set by the quantized model)
+    weight_bits: int | None = None
 
     def to_json(self) -> dict:
         return {

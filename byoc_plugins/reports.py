@@ -1,7 +1,8 @@
 """The evaluation report typed: :class:`EvaluationReport`, the object ``rangeprof evaluate
 --json`` prints (:mod:`.evaluate` says how its figures are measured), and what the service
 takes as an uploaded report. Reports written before load: ``weight_bits`` and ``kept_int16``
-were added later (absent: 8 and none), and keys these records do not name are kept."""
+were added later (absent: 8 and none), as were the layers' ``weight_bits`` (absent: the
+report's), and keys these records do not name are kept."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class EvaluatedLayer(_Open):
     region: str
     pattern: str
     mode: str
+    weight_bits: int | None = Field(
+        None, description="Its weights' bits; null: FP32, or no constant weights."
+    )
     isolated_sqnr_db: float | None = Field(description="null: exact (no error).")
     accumulated_sqnr_db: float | None
     isolated_rmse_per_scale: float
@@ -51,7 +55,11 @@ class EvaluationReport(_Open):
 
     method: ReportedMethod
     target: Literal[TARGETS]
-    weight_bits: int = Field(8, description="Absent in reports made before: 8.")
+    weight_bits: int | None = Field(
+        8,
+        description="The weights' bits, 7 or 8; null: chosen per layer (the layers' "
+        "weight_bits). Absent in reports made before: 8.",
+    )
     samples: int = Field(ge=1)
     agreement: float
     output_sqnr_db: float | None

@@ -42,5 +42,15 @@ class ConversionError(RangeprofError):
     """An ONNX node uses a feature (attribute, input form) its converter does not handle."""
 
 
+class ConverterFailure(ConversionError):
+    """TVM's converter of an ONNX node failed in a way no check of ours foresaw; the message
+    quotes TVM's first line."""
+
+
+class ValueInputError(RangeprofError):
+    """A node needs the value of a model input (a shape or a setting such as axes) to be
+    imported, and no value was given for it."""
+
+
 class CalibrationDataError(RangeprofError):
     """Calibration data is missing, unreadable or does not fit the model's inputs."""

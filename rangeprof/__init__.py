@@ -15,11 +15,10 @@ The pipeline is :mod:`rangeprof.profiler`, the INT8 targets :mod:`rangeprof.byoc
 :mod:`rangeprof.workflows`, the REST service :mod:`rangeprof.service`.
 """
 
-import os
+from rangeprof.profiler.compile.threads import set_defaults
 
-# On x86 TVM halves the core count for hyper-threading unless told, which leaves one worker on a
-# 2-core machine; its pool reads this once, when a thread first runs a parallel kernel.
-os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+# TVM's thread pool reads its settings once, when a thread first runs a parallel kernel.
+set_defaults()
 
 __all__ = [
     "Int8Model",

@@ -484,7 +484,8 @@ def _progress():
 
 def _evaluation_table(report: EvaluationReport) -> Table:
     table = Table(title="per layer, worst isolated SQNR first")
-    for column in ("profileID", "pattern", "mode", "isolated dB", "accumulated dB", "rmse/scale"):
+    columns = ("profileID", "pattern", "mode", "weight bits", "isolated dB", "accumulated dB")
+    for column in (*columns, "rmse/scale"):
         table.add_column(column)
 
     def db(value):
@@ -495,6 +496,7 @@ def _evaluation_table(report: EvaluationReport) -> Table:
             layer.profile_id,
             layer.pattern.split(".", 1)[-1],
             layer.mode,
+            "" if layer.weight_bits is None else str(layer.weight_bits),
             db(layer.isolated_sqnr_db),
             db(layer.accumulated_sqnr_db),
             f"{layer.isolated_rmse_per_scale:.2f} / {layer.accumulated_rmse_per_scale:.2f}",
@@ -607,6 +609,14 @@ def serve(
     max_uploads: Annotated[
         int, typer.Option(min=1, help="Uploads received at once; more are told to retry (503).")
     ] = 8,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Server processes on the one database and storage, each with its --jobs and "
+            "--max-uploads.",
+        ),
+    ] = 1,
 ) -> None:
     """Run the REST API, with a worker for its runs unless --jobs 0."""
     _needs_service()
@@ -615,7 +625,7 @@ def serve(
 
     import uvicorn
 
-    from rangeprof.service.app import create_app
+    from rangeprof.service.app import create_app, processes_app
     from rangeprof.service.limits import MB, Limits
 
     limits = Limits(
@@ -624,18 +634,23 @@ def serve(
         max_job_seconds=60 * max_job_minutes,
         max_concurrent_uploads=max_uploads,
     )
+    options = {
+        "storage": storage,
+        "jobs": jobs,
+        "worker_name": f"serve@{socket.gethostname()}:{port}",
+        "limits": limits,
+    }
     try:
-        service = create_app(
-            db,
-            storage=storage,
-            jobs=jobs,
-            worker_name=f"serve@{socket.gethostname()}:{port}",
-            limits=limits,
-        )
+        service = create_app(db, **options)  # with --workers too: a bad setting fails here
     except RangeprofError as err:
         raise _fail(err) from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s %(message)s")
-    uvicorn.run(service, host=host, port=port)
+    if workers == 1:
+        uvicorn.run(service, host=host, port=port)
+        return
+    service.state.service.db.dispose()
+    factory = processes_app(db, **options)
+    uvicorn.run(factory, factory=True, workers=workers, host=host, port=port)
 
 
 @app.command()

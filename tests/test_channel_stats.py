@@ -14,6 +14,7 @@ import tvm
 
 from rangeprof.profiler.compile.schedules import host_target
 from rangeprof.profiler.profiling.document import (
+    SCHEMA_VERSION,
     ProfileError,
     load_profile,
     merge_profiles,
@@ -177,7 +178,7 @@ def test_digits_channel_means_match_onnxruntime(digits_profile):
     """Per-channel means of the profile against the same data through onnxruntime, for the
     graph input, conv outputs, a pooled map and a dense layer's input (NCHW axis 1, 2-D last)."""
     doc = load_profile(digits_profile)
-    assert doc["schema_version"] == "1.2" and doc["run"]["options"]["channel_stats"]
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["run"]["options"]["channel_stats"]
     by_tensor = {t["source_tensor"]: t for t in doc["tensors"]}
     calib = np.load(DIGITS)["calib"]
     session = exposed_session(zoo_model("digits_cnn"), {"image": (200, 1, 8, 8)})

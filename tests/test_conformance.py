@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -76,3 +77,21 @@ def test_clean_refusals_are_one_line(outcomes):
         k for k, o in outcomes.items() if o.status == CLEAN and (not o.detail or "\n" in o.detail)
     ]
     assert not bad, bad[:10]
+
+
+# What TVM's own messages carry and ours never do: Relax / TIR script (``R.const``,
+# ``T.float32``, bindings ``lv3``), C++ checks, Python type errors.
+_TVM_TEXT = re.compile(
+    r"\b[RT]\.\w|\blv\d*\b|Check failed|\brelax\.|tirx|object has no attribute|<class "
+)
+
+
+def test_refusals_are_in_our_words(outcomes):
+    """No refused case is refused by TVM's converter failing (a :class:`ConverterFailure`, whose
+    message quotes TVM) or in words of TVM's: every refusal names what is not supported."""
+    raw = [
+        f"{key}: {o.detail}"
+        for key, o in sorted(outcomes.items())
+        if o.status == CLEAN and (o.error == "ConverterFailure" or _TVM_TEXT.search(o.detail))
+    ]
+    assert not raw, "\n".join(raw)

@@ -1,4 +1,4 @@
-"""Our ONNX converters (LSTM, GRU) compiled with TVM and compared with onnxruntime.
+"""Our ONNX converters (LSTM, GRU, RNN) compiled with TVM and compared with onnxruntime.
 
 Each model is converted the way TVM's ONNX importer does it (initializers become ``relax.const``,
 graph inputs ``relax.Var``, attributes parsed by the frontend, every node's converter called
@@ -28,7 +28,7 @@ SEQ, BATCH, INPUT, HIDDEN = 5, 2, 3, 4
 OPSET = 14
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 DIRECTIONS = ["forward", "reverse", "bidirectional"]
-GATES = {"LSTM": 4, "GRU": 3}
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
 def _rnn_model(
@@ -207,6 +207,19 @@ def test_gru(direction, bias, initial, linear_before_reset):
     _check(model, feeds)
 
 
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize(
+    ("bias", "initial"), [(True, None), (False, "input")], ids=["bias", "init_in"]
+)
+def test_rnn(direction, bias, initial):
+    _check(*_rnn_model("RNN", direction=direction, bias=bias, initial=initial))
+
+
+def test_rnn_attributes():
+    options = {"clip": 0.5, "activations": ["Relu", "Sigmoid"], "initial": "const"}
+    _check(*_rnn_model("RNN", direction="bidirectional", **options))
+
+
 @pytest.mark.parametrize(
     ("op", "options"),
     [
@@ -234,8 +247,9 @@ def test_attributes(op, options):
     [
         ("LSTM", {"direction": "bidirectional", "initial": "input"}),
         ("GRU", {"direction": "reverse", "initial": "const", "linear_before_reset": 1}),
+        ("RNN", {"direction": "bidirectional", "initial": "input"}),
     ],
-    ids=["lstm", "gru"],
+    ids=["lstm", "gru", "rnn"],
 )
 def test_batch_first_layout(op, options):
     """layout=1 (which onnxruntime lacks) against the layout-0 twin of the same model."""
@@ -346,7 +360,7 @@ def test_runtime_sequence_lens_and_dynamic_length_raise():
 
 
 def test_registered():
-    assert {"LSTM", "GRU"} <= set(CONVERTERS)
+    assert {"LSTM", "GRU", "RNN"} <= set(CONVERTERS)
 
 
 @pytest.mark.parametrize(

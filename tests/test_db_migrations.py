@@ -171,6 +171,7 @@ _REQUESTS_AT_0009 = {
         data="eval.npz:x",
         labels="eval.npz:y",
         samples=2,
+        weight_bits=8,  # its column's: the default then
     ),
 }
 

@@ -12,7 +12,8 @@ import tvm
 from tvm import relax, s_tir
 
 from rangeprof.profiler.compile.schedules import build
-from rangeprof.profiler.compile.schedules.normalization import lower_exp, schedule_normalization
+from rangeprof.profiler.compile.schedules.activations import lower_vector_math
+from rangeprof.profiler.compile.schedules.normalization import schedule_normalization
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -65,7 +66,7 @@ def _scheduled(mod):
     func = next(f for _, f in legal.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
     sch = s_tir.Schedule(func)
     assert schedule_normalization(sch)
-    return lower_exp(sch.mod)["main"].script()
+    return lower_vector_math(sch.mod)["main"].script()
 
 
 @pytest.mark.parametrize("shape", [(128, 256), (1, 4, 128, 128), (3, 7, 40), (5, 127), (1, 2, 24)])

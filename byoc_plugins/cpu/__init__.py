@@ -4,7 +4,7 @@ build of the pipeline (:func:`rangeprof.profiler.compile.schedules.build`) as ex
 
 * :mod:`.conv2d_int8`, :mod:`.dense_int8`: legalizations and schedules of 8-bit or int16
   activations × int8 weights → int32 on a dot-product instruction (:mod:`.dot` lowers the
-  blocks they mark into instruction calls);
+  blocks they mark into instruction calls); :mod:`.conv1d_int8` fits row convs to that kernel;
 * :mod:`.requantize`: the fixed-point requantization epilogue in 32-bit instructions;
 * :mod:`.prepare`: layout clean-ups of the quantized graph after the layout rewrite;
 * :mod:`.isa`: the instructions; each plugin chooses those of its target (an
@@ -19,7 +19,8 @@ from tvm import relax
 from rangeprof.profiler.compile.schedules import Rules
 from rangeprof.profiler.compile.schedules import build as cpu_build
 
-from .conv2d_int8 import is_integer, legalize_conv2d_int8, schedule_conv2d_int8
+from .conv1d_int8 import fold_row_conv_taps, legalize_conv_int8
+from .conv2d_int8 import is_integer, schedule_conv2d_int8
 from .dense_int8 import legalize_matmul_int8, schedule_dense_int8, schedule_pack
 from .dot import lower_dot_blocks
 from .isa import Isa
@@ -43,13 +44,13 @@ def integer_rules(isa: Isa) -> Rules:
     """The integer kernels on ``isa``'s instructions, as rules of the CPU build."""
     return Rules(
         legalize={
-            "relax.nn.conv2d": _integer(legalize_conv2d_int8, isa),
+            "relax.nn.conv2d": _integer(legalize_conv_int8, isa),
             "relax.matmul": _integer(legalize_matmul_int8, isa),
             "relax.multiply": legalize_multiply,
             "relax.right_shift": legalize_right_shift,
         },
         schedules=(schedule_conv2d_int8, schedule_dense_int8, schedule_pack),
-        layout_passes=(untranspose_quantize, pad_int8_channels, fold_bias),
+        layout_passes=(untranspose_quantize, fold_row_conv_taps, pad_int8_channels, fold_bias),
         lowering_passes=(lower_dot_blocks,),
     )
 

@@ -161,6 +161,13 @@ class Isa:
             None,
         )
 
+    def narrow_weights_faster(self, target: tvm.target.Target | None = None) -> bool:
+        """Whether the target's fastest 8-bit dot instruction is exact only for weights
+        narrower than int8 (AVX2's ``vpmaddubsw``: within ±64), so that 7-bit weights take a
+        faster kernel than 8-bit ones."""
+        dots = self.dots(_llvm(target))
+        return bool(dots) and dots[0].max_weight < 128
+
     def pair(self, channels: int, target: tvm.target.Target | None = None) -> DotInstruction | None:
         """The widest instruction of the target that multiplies-adds two int16 products per
         int32 lane and whose lanes divide ``channels``, else None: depthwise convs pair their

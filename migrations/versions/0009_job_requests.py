@@ -56,6 +56,12 @@ def _spec(name: str | None, key: str | None) -> str | None:
     return f"{name}:{key}" if key else name
 
 
+def _bits(weight_bits: int | None) -> int:
+    """A request's weight bits as the columns held them: null (the target's choice, per layer,
+    added later) was then 8."""
+    return 8 if weight_bits is None else weight_bits
+
+
 def _split(spec: str | None) -> tuple[str | None, str | None]:
     """``FILE.npz:KEY`` -> (FILE.npz, KEY), as the profiler reads a data option."""
     if spec is None:
@@ -217,7 +223,9 @@ def _fill_columns() -> None:
     for e in bind.execute(sa.select(_EVALUATION.c.id, _EVALUATION.c.request, _EVALUATION.c.report)):
         if e.request is None:  # an uploaded report: what 0008 copied from it
             options = {k: e.report[k] for k in ("method", "target", "samples")}
-            updates.append({"id": e.id, **options, "weight_bits": e.report.get("weight_bits", 8)})
+            updates.append(
+                {"id": e.id, **options, "weight_bits": _bits(e.report.get("weight_bits", 8))}
+            )
             continue
         request = e.request
         data_name, data_key = _split(request["data"])
@@ -227,6 +235,7 @@ def _fill_columns() -> None:
             {
                 "id": e.id,
                 **{k: request[k] for k in options},
+                "weight_bits": _bits(request["weight_bits"]),
                 "data_name": data_name,
                 "data_key": data_key,
                 "labels_name": labels_name,
@@ -244,7 +253,7 @@ def _fill_columns() -> None:
                 "target": request["target"],
                 "method": request["method"] if derived else None,
                 "percentile": request["percentile"] if derived else None,
-                "weight_bits": request["weight_bits"],
+                "weight_bits": _bits(request["weight_bits"]),
             }
         )
     _write(_BUILD, updates)

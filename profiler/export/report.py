@@ -459,7 +459,8 @@ def _evaluation_section(evaluation: dict, layers: list[dict], rows: dict[str, in
         f"method {ev.get('method', '?')}",
     ]
     if "weight_bits" in ev:
-        summary.append(f"{ev['weight_bits']}-bit weights")
+        bits = ev["weight_bits"]
+        summary.append(f"{bits}-bit weights" if bits else "7- or 8-bit weights per layer")
     if "samples" in ev:
         summary.append(f"{ev['samples']} samples")
     summary.append(f"output SQNR {_db(ev.get('output_sqnr_db'))} dB")

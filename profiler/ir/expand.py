@@ -90,6 +90,9 @@ def _expand_once(
             continue
         for k, inner in enumerate(body.node):
             inner.name = f"{node.name}/{inner.op_type}_{k}"
+        # ONNX's inliner leaves a reference to an attribute the node omits empty (a Constant
+        # without a value, a Cast without ``to``): the node states its defaults.
+        _state_defaults(node, opset)
         body.name, body.domain = f"f{index}", _DOMAIN
         node.op_type, node.domain = body.name, body.domain
         expanded.functions.append(body)
@@ -101,3 +104,14 @@ def _expand_once(
     del inlined.opset_import[:]
     inlined.opset_import.extend(o for o in expanded.opset_import if o.domain != _DOMAIN)
     return inlined
+
+
+def _state_defaults(node: onnx.NodeProto, opset: int) -> None:
+    """``node`` given every attribute its schema has a default for and it omits."""
+    given = {attr.name for attr in node.attribute}
+    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    node.attribute.extend(
+        attr.default_value
+        for name, attr in schema.attributes.items()
+        if name not in given and attr.default_value.type
+    )

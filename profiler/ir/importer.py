@@ -20,9 +20,11 @@ from tvm.relax.frontend.onnx import onnx_frontend
 
 from rangeprof.profiler.errors import (
     ConversionError,
+    ConverterFailure,
     DynamicShapeError,
     RangeprofError,
     UnsupportedOperatorError,
+    ValueInputError,
 )
 from rangeprof.profiler.ir.bindings import (
     function_bindings,
@@ -78,11 +80,13 @@ def _unsupported_ops(graph: onnx.GraphProto) -> list[str]:
 class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
     """The stock graph importer with our converter registry and eager binding of node outputs."""
 
-    def __init__(self, shape_dict, dtype_dict, graph: onnx.GraphProto):
+    def __init__(self, loaded: LoadedModel):
         # Parameters keep their ONNX names (``0``, ``x.1``): data is matched to inputs by them.
-        super().__init__(shape_dict, dtype_dict, sanitize=False)
+        super().__init__(dict(loaded.input_shapes), dict(loaded.input_dtypes), sanitize=False)
+        graph = loaded.model.graph
         self._node_by_name = {n.name: n for n in graph.node}
         self._graph_outputs = {o.name for o in graph.output}
+        self._sources = _value_sources(loaded)
 
     def _check_for_unsupported_ops(self, graph):
         missing = _unsupported_ops(graph)
@@ -91,6 +95,7 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
         node_name = attrs["tvm_custom"]["name"]
+        node = self._node_by_name.get(node_name)
         try:
             if op_name in CONVERTERS:
                 convert = CONVERTERS[op_name].get_converter(opset)
@@ -99,12 +104,19 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
                     sym = self.bb.normalize(sym)
             else:
                 sym = super()._convert_operator(op_name, inputs, attrs, opset)
-        except RangeprofError as err:
-            err.args = (f"node {node_name!r} ({op_name}): {err}",)
-            raise
-        except Exception as err:  # a stock converter rejecting this node's attributes or inputs
-            raise ConversionError(f"node {node_name!r} ({op_name}): {_first_line(err)}") from err
-        node = self._node_by_name.get(node_name)
+            if node is not None:
+                _check_outputs(node, sym)
+        except Exception as err:
+            # A node reading a value it was imported without fails for that reason first.
+            if node is not None:
+                _check_value_inputs(node, self._sources, opset)
+            if isinstance(err, RangeprofError):
+                err.args = (f"node {node_name!r} ({op_name}): {err}",)
+                raise
+            # a stock converter rejecting this node in a way no check of ours foresaw
+            raise ConverterFailure(
+                f"node {node_name!r} ({op_name}): TVM's converter failed: {_first_line(err)}"
+            ) from err
         # A graph output stays unbound so that emit_output binds it directly, without an alias.
         if node is not None and self._graph_outputs.isdisjoint(node.output):
             sym = self._bind(sym)
@@ -121,6 +133,58 @@ class _TrackingImporter(onnx_frontend.ONNXGraphImporter):
 def _first_line(err: BaseException) -> str:
     lines = [line for line in str(err).splitlines() if line.strip()]
     return lines[0] if lines else type(err).__name__
+
+
+def _check_outputs(node: onnx.NodeProto, sym) -> None:
+    """A node with several outputs is converted to at least as many values."""
+    if len(node.output) < 2:
+        return  # a single output may be a sequence (a tuple of any length)
+    ty = sym.ty if isinstance(sym, relax.Expr) else None
+    produced = len(ty.fields) if isinstance(ty, relax.TupleType) else 1
+    missing = [name for name in node.output[produced:] if name]
+    if missing:
+        raise ConversionError(
+            f"its output {missing[0]!r} is not supported (the converter computes only the "
+            f"first {produced} of its {len(node.output)} outputs)"
+        )
+
+
+def _value_sources(loaded: LoadedModel) -> dict[str, frozenset[str]]:
+    """The tensors computed from value inputs the model was loaded without a value for
+    (``inspect`` has no data), each with those inputs; a ``Shape`` or ``Size`` of them is not."""
+    sources = {name: frozenset([name]) for name in loaded.value_inputs if name not in loaded.bound}
+    if not sources:
+        return sources
+    for node in loaded.model.graph.node:
+        found = frozenset().union(*(sources.get(name, frozenset()) for name in node.input))
+        if found and node.op_type not in ("Shape", "Size"):
+            sources.update(dict.fromkeys(node.output, found))
+    return sources
+
+
+def _check_value_inputs(node: onnx.NodeProto, sources: dict, opset: int) -> None:
+    """Raises :class:`ValueInputError` when ``node`` reads a value computed from a value input
+    the model was loaded without (see :func:`_value_sources`); a setting's input first."""
+    read = [k for k, name in enumerate(node.input) if name in sources]
+    if not read:
+        return
+    k = next((k for k in read if k > 0), read[0])
+    given = " and ".join(repr(name) for name in sorted(sources[node.input[k]]))
+    raise ValueInputError(
+        f"node {node.name!r} ({node.op_type}): its input {_formal_input(node, k, opset)!r} "
+        f"comes from the model input {given}, whose value the import needs; "
+        "`rangeprof profile --data` takes the value from the data, `inspect` has none "
+        "(--input-shape fixes shapes, not values)"
+    )
+
+
+def _formal_input(node: onnx.NodeProto, k: int, opset: int) -> str:
+    """The name ONNX gives input ``k`` of ``node`` (``axes``, ``shape``), else its position."""
+    try:
+        formal = onnx.defs.get_schema(node.op_type, opset, node.domain).inputs
+    except onnx.defs.SchemaError:
+        return f"#{k}"
+    return formal[min(k, len(formal) - 1)].name if formal else f"#{k}"
 
 
 def _claim_bindings(func: relax.Function, graph: onnx.GraphProto, tensors: dict) -> dict:
@@ -172,7 +236,7 @@ def import_onnx(loaded: LoadedModel) -> ImportedModel:
     mod, tensors = _convert(loaded)
     func = mod["main"]
     owner = _claim_bindings(func, graph, tensors)
-    _check_static_shapes(func, owner)
+    _check_static_shapes(func, owner, loaded)
     # A binding of a bare Var (a graph output that is an Identity of another value) is a rename,
     # not a computation: its lineage is that of the Var, and it gets no profileID of its own.
     refs = [r for r in function_bindings("main", func) if not isinstance(r.value, relax.Var)]
@@ -197,14 +261,30 @@ def _convert(loaded: LoadedModel) -> tuple[tvm.IRModule, dict]:
     """The stock importer's module, through our converters, and the Relax value of every ONNX
     tensor name."""
     graph = loaded.model.graph
-    importer = _TrackingImporter(dict(loaded.input_shapes), dict(loaded.input_dtypes), graph)
+    importer = _TrackingImporter(loaded)
     # The stock importer prints the inputs of a node it fails on; the error we raise says it all.
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             mod = importer.from_onnx(graph, loaded.opset)
-        except AssertionError as err:  # the frontend's checks of a converted node's outputs
-            raise ConversionError(f"{loaded.name}: {_first_line(err)}") from err
+        except BaseException as err:
+            _end_blocks(importer.bb)
+            if isinstance(err, AssertionError):  # the frontend's own checks (of a subgraph, say)
+                raise ConverterFailure(
+                    f"{loaded.name}: TVM's importer failed: {_first_line(err)}"
+                ) from err
+            raise
     return mod, importer._nodes
+
+
+def _end_blocks(bb: relax.BlockBuilder) -> None:
+    """Ends the blocks a failed import left open (TVM warns on stderr of a builder dropped
+    with open blocks)."""
+    while True:
+        try:
+            bb.current_block_is_dataflow()
+        except tvm.error.InternalError:  # no block is open
+            return
+        bb._end_block()
 
 
 def _tensor_names(graph, tensors: dict, refs: list) -> dict[relax.Var, str]:
@@ -337,18 +417,34 @@ def _static(ty) -> bool:
     return True  # shapes, objects: no tensor data to observe
 
 
-def _check_static_shapes(func: relax.Function, owner: dict) -> None:
+def _check_static_shapes(func: relax.Function, owner: dict, loaded: LoadedModel) -> None:
     """With the input shapes fixed every tensor's shape is known, except where it depends on
     the data (NonZero, Unique, Compress, a Slice or Expand by an input): the compiled profiling
     program needs every shape from the input shapes alone."""
+    nodes = {n.name: n for n in loaded.model.graph.node}
     for ref in function_bindings("main", func):
         if not _static(ref.var.ty):
-            node = owner.get(ref.var, "?")
+            name = owner.get(ref.var, "?")
+            if name in nodes:
+                _check_value_inputs(nodes[name], _value_sources(loaded), loaded.opset)
+            op = f" ({nodes[name].op_type})" if name in nodes else ""
             raise DynamicShapeError(
-                f"node {node!r}: its output shape depends on the input data "
-                f"({ref.var.ty}); rangeprof profiles models whose tensor shapes follow from the "
+                f"node {name!r}{op}: its output shape {_shape_text(ref.var.ty)} depends on the "
+                "input data; rangeprof profiles models whose tensor shapes follow from the "
                 "input shapes"
             )
+
+
+def _shape_text(ty) -> str:
+    """A shape as the user reads it: ``[2, ?]``, ``?`` where even the rank is unknown."""
+    if isinstance(ty, relax.TupleType):
+        return "(" + ", ".join(_shape_text(field) for field in ty.fields) + ")"
+    shape = getattr(ty, "shape", None)
+    values = getattr(shape, "values", None)
+    if values is None:
+        return "?"
+    dims = [str(int(d)) if isinstance(d, tvm.tirx.IntImm) else "?" for d in values]
+    return f"[{', '.join(dims)}]"
 
 
 def _weight_ids(graph: onnx.GraphProto, tensors: dict) -> dict:

@@ -676,8 +676,8 @@ _SHAPE_INPUTS = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Range": (0, 1, 2),
     "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "Upsample": (1,),
     "OneHot": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "TopK": (1,), "Split": (1,),
-    "CumSum": (1,), "AffineGrid": (1,), "CenterCropPad": (1,), "Col2Im": (1, 2),
-    "SplitToSequence": (1,),
+    "CumSum": (1,), "CumProd": (1,), "AffineGrid": (1,), "CenterCropPad": (1,), "Col2Im": (1, 2),
+    "SplitToSequence": (1,), "MaxUnpool": (2,),
     **{f"Reduce{kind}": (1,) for kind in (
         "Mean", "Sum", "Max", "Min", "L1", "L2", "LogSum", "LogSumExp", "Prod", "SumSquare"
     )},

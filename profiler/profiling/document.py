@@ -8,21 +8,31 @@ moments and the exact-merge histogram encoding. The ``tensors`` section is deter
 data in any sharding gives the same bytes (:func:`tensors_bytes`).
 
 Non-finite values: every entry counts its NaN and infinite values (``nan_count``, ``inf_count``;
-they stay out of min, max, moments and histograms). An activation that holds some while the data
-fed held none overflowed inside the model: its entry says ``overflow: true``
+they stay out of min, max, moments and histograms). Those a constant holds are no overflow: a
+causal mask's ``-inf``. A static tensor (one computed from constants alone) holding some, and a
+data-dependent one whose non-finite values its *non-finite inputs* explain, say ``masked: true``.
+The inputs are structure (:mod:`~rangeprof.profiler.profiling.masks`: the static tensors holding
+NaN or inf it reads, ``nonfinite_inputs``, and the constants they come from,
+``nonfinite_origins``); explaining is a function of the counts: the tensor's fraction of
+non-finite values is at most the sum of its inputs' (an add of a broadcast mask has exactly the
+mask's fraction; one more overflowing value and it has more). Any other activation that holds
+some while the data fed held none overflowed inside the model: its entry says ``overflow: true``
 (:func:`nonfinite_summary` words what the CLI prints). With non-finite data (``allow_nonfinite``)
-they propagate, and no entry is flagged.
+they propagate, and no entry is said to overflow.
 
-Versions: 1.2 added ``graph_outputs`` (the graph outputs whose value an entry is) and
-``overflow`` on tensor entries, and the data checks' options; 1.1 added per-channel means
-(``per_channel.mean``, ``count`` and exact ``sum``) of activations profiled with channel
-statistics; 1.0 and 1.1 profiles, which lack them, still load."""
+Versions: 1.3 added ``masked``, ``nonfinite_inputs`` and ``nonfinite_origins``, and per-channel
+ranges of every dense layer's input along the axis it sums over in every profile; 1.2 added
+``graph_outputs`` (the graph outputs whose value an entry is) and ``overflow`` on tensor entries,
+and the data checks' options; 1.1 added per-channel means (``per_channel.mean``, ``count`` and
+exact ``sum``) of activations profiled with channel statistics; older profiles, which lack them,
+still load."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
+from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +46,9 @@ if TYPE_CHECKING:  # the IR's modules import TVM: reading a profile needs neithe
     from rangeprof.profiler.ir.onnx_load import ModelFacts
     from rangeprof.profiler.ir.tagging import LayerRecord
 
-SCHEMA_VERSION = "1.2"
-READABLE_VERSIONS = ("1.0", "1.1", SCHEMA_VERSION)  # a minor version only adds optional fields
+SCHEMA_VERSION = "1.3"
+# a minor version only adds optional fields
+READABLE_VERSIONS = ("1.0", "1.1", "1.2", SCHEMA_VERSION)
 
 
 class ProfileError(RangeprofError):
@@ -59,10 +70,12 @@ def build_document(
     run: dict,
     transforms: tuple[str, ...] = (),
     graph_outputs: dict[str, str] | None = None,
+    masks: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] | None = None,
 ) -> dict:
     """The profile document for one model, in layer order; ``stages`` are stage reports;
     ``transforms`` the passes that changed the model's weights before it was profiled;
-    ``graph_outputs`` the profileID whose value each graph output is."""
+    ``graph_outputs`` the profileID whose value each graph output is; ``masks`` the non-finite
+    inputs and their origins of the tensors reading constant NaN or inf."""
     outputs: dict[str, list[str]] = {}
     for name, profile_id in (graph_outputs or {}).items():
         outputs.setdefault(profile_id, []).append(name)
@@ -87,10 +100,11 @@ def build_document(
                     if layer.profile_id in outputs
                     else {}
                 ),
+                **_mask_fields((masks or {}).get(layer.profile_id)),
                 **record.to_json(),
             }
         )
-    _flag_overflow(tensors)
+    flag_nonfinite(tensors)
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {
@@ -115,30 +129,54 @@ def _nonfinite(entry: dict) -> int:
     return entry["nan_count"] + entry["inf_count"]
 
 
-def _flag_overflow(tensors: list[dict]) -> None:
-    """Sets ``overflow`` on the activations holding NaN or infinity when the data fed held
-    none (a function of the counts alone: a merge of shards flags as one pass does)."""
+def _mask_fields(sources: tuple[tuple[str, ...], tuple[str, ...]] | None) -> dict:
+    inputs, origins = sources or ((), ())
+    if not inputs:
+        return {}
+    return {"nonfinite_inputs": list(inputs), "nonfinite_origins": list(origins)}
+
+
+def _fraction(entry: dict) -> Fraction:
+    return Fraction(_nonfinite(entry), entry["count"]) if entry["count"] else Fraction(0)
+
+
+def flag_nonfinite(tensors: list[dict]) -> None:
+    """Sets ``masked`` on the entries whose NaN and inf come from constants and ``overflow`` on
+    the other activations holding some when the data fed held none (see the module doc). A
+    function of the counts alone (exact fractions): a merge of shards flags as one pass does.
+    Entries are in program order, so a tensor's inputs are decided before it."""
     fed = any(_nonfinite(t) for t in tensors if t["kind"] == "input")
+    by_id = {t["profile_id"]: t for t in tensors}
     for entry in tensors:
         entry.pop("overflow", None)
-        if not fed and entry["kind"] == "activation" and _nonfinite(entry):
+        entry.pop("masked", None)
+        if not _nonfinite(entry):
+            continue
+        if entry["static"] or _explained(entry, by_id):
+            entry["masked"] = True
+        elif not fed and entry["kind"] == "activation":
             entry["overflow"] = True
 
 
+def _explained(entry: dict, by_id: dict[str, dict]) -> bool:
+    """Whether ``entry``'s share of non-finite values is at most that of its non-finite inputs
+    (static ones, and masked ones it reshapes) together."""
+    inputs = [by_id.get(i) for i in entry.get("nonfinite_inputs", ())]
+    held = [e for e in inputs if e is not None and (e["static"] or e.get("masked"))]
+    return bool(held) and _fraction(entry) <= sum(map(_fraction, held), Fraction(0))
+
+
 def nonfinite_summary(doc: dict, limit: int = 5) -> list[str]:
-    """One line each on NaN and infinite values in a profile: tensors that overflowed inside
+    """One line each on NaN and infinite values in a profile: the values masks put there per
+    constant they come from (counted, kept out of every range), tensors that overflowed inside
     the model (a warning), or, with non-finite data, the tensors holding some; with counts."""
 
     def listed(entries: list[dict]) -> str:
-        parts = []
-        for entry in entries[:limit]:
-            kinds = (("nan_count", "NaN"), ("inf_count", "inf"))
-            counts = ", ".join(f"{entry[k]} {word}" for k, word in kinds if entry[k])
-            parts.append(f"{entry['profile_id']} ({counts})")
+        parts = [f"{entry['profile_id']} ({_counts(entry)})" for entry in entries[:limit]]
         more = f", and {len(entries) - limit} more" if len(entries) > limit else ""
         return ", ".join(parts) + more
 
-    lines = []
+    lines = _masked_lines(doc, listed)
     overflowed = [t for t in doc["tensors"] if t.get("overflow")]
     if overflowed:
         lines.append(
@@ -151,6 +189,29 @@ def nonfinite_summary(doc: dict, limit: int = 5) -> list[str]:
         lines.append(
             f"non-finite data profiled: {len(holding)} tensor(s) hold NaN or inf: "
             + listed(holding)
+        )
+    return lines
+
+
+def _counts(entry: dict) -> str:
+    kinds = (("nan_count", "NaN"), ("inf_count", "inf"))
+    return ", ".join(f"{entry[k]} {word}" for k, word in kinds if entry[k])
+
+
+def _masked_lines(doc: dict, listed) -> list[str]:
+    """Per constant that masks put NaN or inf from: the values in the data-dependent tensors
+    that read them (static tensors computed from the constant hold them as it does)."""
+    by_origin: dict[tuple[str, ...], list[dict]] = {}
+    for entry in doc["tensors"]:
+        if entry.get("masked") and not entry["static"]:
+            by_origin.setdefault(tuple(entry.get("nonfinite_origins", ())), []).append(entry)
+    lines = []
+    for origins, entries in by_origin.items():
+        total = {k: sum(e[k] for e in entries) for k in ("nan_count", "inf_count")}
+        constants = ", ".join(origins) or "constants"
+        lines.append(
+            f"masked: {_counts(total)} values from constant {constants} (not an overflow: "
+            f"counted, kept out of ranges) in {len(entries)} tensor(s): {listed(entries)}"
         )
     return lines
 
@@ -239,7 +300,7 @@ def merge_profiles(first: dict, second: dict) -> dict:
             continue
         merged = TensorStats.from_json(entry).merge(TensorStats.from_json(other))
         tensors.append({**entry, **merged.to_json()})
-    _flag_overflow(tensors)
+    flag_nonfinite(tensors)
     run = dict(first["run"])
     run["samples"] = first["run"]["samples"] + second["run"]["samples"]
     run["batches"] = first["run"]["batches"] + second["run"]["batches"]

@@ -17,21 +17,28 @@ returned tensor by a compiled statistics kernel over the tensor as the fast kern
 activations.
 Tensors that depend on no input (weights, weight transforms the frontend emitted) are observed
 once, by a second function of the same program.
+
+Every profile observes the inputs of dense layers (a matmul whose other operand is a weight) per
+channel along the axis the layer sums over (the last): per-channel ranges of what a dense layer
+reads are what SmoothQuant's scales need (:mod:`rangeprof.profiler.calibrate.smoothing`), and
+they cost a few tensors. Channel statistics (``channel_stats``) extend this to every activation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tvm
 from tvm import relax
 
 from rangeprof.profiler.compile.schedules import build, host_target
+from rangeprof.profiler.compile.threads import vm_function
 from rangeprof.profiler.ir.bindings import function_bindings, used_vars
 from rangeprof.profiler.ir.spans import ids_of
 from rangeprof.profiler.ir.tagging import LayerRecord
+from rangeprof.profiler.profiling.masks import mask_sources
 from rangeprof.profiler.profiling.observe_statistics import ObservedOutputs, ObserveStatistics
 from rangeprof.profiler.profiling.statistics import DEFAULT_BINS, TensorStats
 from rangeprof.profiler.profiling.stats_kernel import Totals, decode
@@ -42,10 +49,19 @@ STATIC = "observe_static"  # the program's function returning the data-independe
 
 @dataclass(frozen=True)
 class Observed:
-    """One observed tensor: its profileID and channel axis (None: no per-channel ranges)."""
+    """One observed tensor: its profileID and channel axis (None: no per-channel ranges); for
+    a tensor that reads constant NaN or inf (a mask), the static tensors holding them that it
+    reads and the constants they come from (:mod:`~rangeprof.profiler.profiling.masks`)."""
 
     profile_id: str
     channel_axis: int | None
+    nonfinite_inputs: tuple[str, ...] = ()
+    nonfinite_origins: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        # A build cache's sidecar gives lists back.
+        object.__setattr__(self, "nonfinite_inputs", tuple(self.nonfinite_inputs))
+        object.__setattr__(self, "nonfinite_origins", tuple(self.nonfinite_origins))
 
 
 @dataclass(frozen=True)
@@ -92,7 +108,7 @@ class ProfilingProgram:
     def _call(self, batch: dict[str, np.ndarray]):
         # Not ascontiguousarray, which makes a 0-d array (a scalar input) 1-d.
         args = [tvm.runtime.tensor(np.asarray(batch[n], order="C")) for n in self.input_names]
-        return self.vm["main"](*args)
+        return vm_function(self.vm)(*args)
 
 
 def _decode(observed: list[Observed], vectors, bins: int, sums: bool) -> dict[str, TensorStats]:
@@ -112,21 +128,34 @@ def channel_axis(layer: LayerRecord, ndim: int, every: bool = False) -> int | No
     return None if axis is None or ndim < 2 else axis % ndim
 
 
-def _contracted_axes(func: relax.Function) -> dict[relax.Var, int]:
-    """The axis a conv (1, NCHW) or a matmul (the last) sums over, of each Var it reads as its
-    data: the channels whose means weigh a layer's bias correction. A transformer's ``[B, T,
-    D]`` activations feed dense layers along ``D``, not along axis 1 as images do."""
+def _data_dependent(func: relax.Function) -> set[relax.Var]:
+    """The Vars of ``func`` that depend on an input: its parameters and what reads them."""
+    depends = set(func.params)
+    for ref in function_bindings("main", func):
+        if any(v in depends for v in used_vars(ref.value)):
+            depends.add(ref.var)
+    return depends
+
+
+def _contracted_axes(
+    func: relax.Function, depends: set[relax.Var], every: bool
+) -> dict[relax.Var, int]:
+    """The axis a dense layer (a matmul whose right operand depends on no input: the last) sums
+    over, of each data-dependent Var it reads as its data; with ``every`` also of the data of
+    any matmul, and of convs (axis 1, NCHW): the channels whose means weigh a layer's bias
+    correction. A transformer's ``[B, T, D]`` activations feed dense layers along ``D``, not
+    along axis 1 as images do."""
     axes: dict[relax.Var, int] = {}
     for ref in function_bindings("main", func):
         value = ref.value
         if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)):
             continue
         data = value.args[0] if value.args else None
-        if not isinstance(data, relax.Var) or not isinstance(data.ty, relax.TensorType):
+        if data not in depends or not isinstance(data.ty, relax.TensorType):
             continue
-        if value.op.name == "relax.nn.conv2d":
+        if value.op.name == "relax.nn.conv2d" and every:
             axes.setdefault(data, 1)
-        elif value.op.name == "relax.matmul":
+        elif value.op.name == "relax.matmul" and (every or value.args[1] not in depends):
             axes.setdefault(data, data.ty.ndim - 1)
     return axes
 
@@ -135,18 +164,16 @@ def instrument(
     mod: tvm.IRModule, layers: list[LayerRecord], channel_stats: bool = False
 ) -> Instrumented:
     """``mod`` with every float tensor binding of ``main`` returned (see :class:`Instrumented`);
-    with ``channel_stats`` every data-dependent tensor with a channel axis is observed per
-    channel, along the axis its conv or matmul consumer sums over where it has one (weights
-    keep theirs)."""
+    the data of dense layers is observed per channel along the axis they sum over, and with
+    ``channel_stats`` every data-dependent tensor with a channel axis, along the axis its conv
+    or matmul consumer sums over where it has one (weights keep theirs)."""
     func = mod["main"]
-    contracted = _contracted_axes(func) if channel_stats else {}
+    depends = _data_dependent(func)
+    contracted = _contracted_axes(func, depends, channel_stats)
     by_id = {layer.profile_id: layer for layer in layers}
-    depends = set(func.params)
     observed: list[tuple[relax.Var, Observed]] = []
     static: list[tuple[relax.Var, Observed]] = []
     for ref in function_bindings("main", func):
-        if any(v in depends for v in used_vars(ref.value)):
-            depends.add(ref.var)
         ty = ref.var.ty
         if not isinstance(ty, relax.TensorType) or "float" not in str(ty.dtype):
             continue
@@ -154,9 +181,7 @@ def instrument(
             continue  # a rename: observed under the Var it names
         (profile_id,) = ids_of(ref.value)
         every = channel_stats and ref.var in depends
-        axis = channel_axis(by_id[profile_id], ty.ndim, every)
-        if every and ref.var in contracted:
-            axis = contracted[ref.var]
+        axis = contracted.get(ref.var, channel_axis(by_id[profile_id], ty.ndim, every))
         entry = (ref.var, Observed(profile_id, axis))
         (observed if ref.var in depends else static).append(entry)
 
@@ -198,7 +223,8 @@ def compile_program(
 
     ``load`` makes the VM from the executable (default: in memory, LLVM's JIT); the build
     cache exports it first and loads the library instead (:meth:`BuildCache.store_library`).
-    ``channel_stats``: per-channel ranges and sums of every activation (:func:`instrument`)."""
+    ``channel_stats``: per-channel ranges and sums of every activation (:func:`instrument`).
+    The observed tensors that read constant NaN or inf say so (:class:`Observed`)."""
     bins = bins or 0
     inst = instrument(mod, layers, channel_stats)
     functions = {"main": ObservedOutputs(1, tuple(o.channel_axis for o in inst.observed))}
@@ -216,7 +242,16 @@ def compile_program(
         zeros = [tvm.runtime.tensor(np.zeros(_shape(p), dtype=str(p.ty.dtype))) for p in params]
         static = list(vm[STATIC](*zeros))
         program.static.update(_decode(inst.static, static, bins, channel_stats))
+    nonfinite = {k for k, v in program.static.items() if v.nan_count or v.inf_count}
+    masks = mask_sources(mod["main"], _data_dependent(mod["main"]), nonfinite)
+    program.observed = [_with_masks(o, masks.get(o.profile_id)) for o in program.observed]
     return executable, program
+
+
+def _with_masks(observed: Observed, sources) -> Observed:
+    if sources is None:
+        return observed
+    return replace(observed, nonfinite_inputs=sources.inputs, nonfinite_origins=sources.origins)
 
 
 def _shape(param: relax.Var) -> list[int]:

@@ -113,6 +113,9 @@ class TensorEntry(_Open):
     static: bool
     graph_outputs: list[str] | None = None
     overflow: Literal[True] | None = None
+    masked: Literal[True] | None = None
+    nonfinite_inputs: list[str] | None = None
+    nonfinite_origins: list[str] | None = None
     min: Number | None
     max: Number | None
     mean: Number | None
@@ -146,7 +149,7 @@ class ProfileDocument(_Open):
     (:meth:`from_json` of a path) is checked against the schema first, so its errors name
     the schema's path."""
 
-    schema_version: Literal["1.0", "1.1", "1.2"]
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3"]
     model: ModelInfo
     run: RunInfo
     tensors: list[TensorEntry]

@@ -410,7 +410,9 @@ class ModelProfiler:
             "tvm_version": tvm.__version__,
         }
         model, layers = self.prepared.model, self.prepared.layers
-        static_ids = set(self.programs.get(self.batch_size).static)
+        program = self.programs.get(self.batch_size)
+        static_ids = set(program.static)
+        masks = {o.profile_id: (o.nonfinite_inputs, o.nonfinite_origins) for o in program.observed}
         transforms = (EQUALIZATION,) if options.equalize else ()
         return build_document(
             model,
@@ -422,6 +424,7 @@ class ModelProfiler:
             run,
             transforms,
             self.prepared.graph_outputs,
+            masks,
         )
 
 

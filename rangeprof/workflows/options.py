@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+)
 
 from rangeprof.byoc.policy import TARGETS, WEIGHT_BITS
 from rangeprof.profiler.calibrate.methods import CHOICES, DTYPES, GRANULARITIES, SCHEMES
@@ -50,16 +57,19 @@ def refusal(err: ValidationError, flags: bool = True) -> RangeprofError:
     return RangeprofError(f"{name}: {message}")
 
 
-def _weight_bits(value: int) -> int:
-    if value not in WEIGHT_BITS:
+def _weight_bits(value: int | None) -> int | None:
+    if value is not None and value not in WEIGHT_BITS:
         raise ValueError(f"weight bits must be one of {', '.join(map(str, WEIGHT_BITS))}")
     return value
 
 
 # An int checked against the choices rather than a Literal: form fields and CLI values arrive
-# as text, which a Literal of ints refuses.
+# as text, which a Literal of ints refuses. None: the target's choice. One annotation (not a
+# union holding one), so that the CLI reads a plain ``int | None``.
 WeightBits = Annotated[
-    int, AfterValidator(_weight_bits), Field(json_schema_extra={"enum": list(WEIGHT_BITS)})
+    int | None,
+    AfterValidator(_weight_bits),
+    WithJsonSchema({"anyOf": [{"enum": list(WEIGHT_BITS), "type": "integer"}, {"type": "null"}]}),
 ]
 
 
@@ -137,9 +147,11 @@ class QuantizeOptions(Options):
     )
     percentile: float = CalibrationOptions.model_fields["percentile"]
     weight_bits: WeightBits = Field(
-        8,
+        None,
         description="8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI "
-        "multiply with vpmaddubsw (faster, a little less accurate).",
+        "multiply with vpmaddubsw (faster, a little less accurate). Default: the target's "
+        "choice (x86 on AVX2 without VNNI: 7 for each layer whose error budget allows it, "
+        "from the profile's statistics; else 8).",
     )
     fp32_fallback: bool = Field(
         False, description="Regions whose tensors have no qparams stay FP32 (else an error)."

@@ -133,9 +133,10 @@ def _check_target(document: QParamsDocument, target: str) -> None:
         )
 
 
-def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin):
-    """The model quantized for ``plugin`` with ``qparams`` and the request's exclusions."""
-    from rangeprof.byoc.quantized import quantize_model
+def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin, profile=None):
+    """The model quantized for ``plugin`` with ``qparams`` and the request's exclusions; the
+    ``profile``'s moments choose weight bits per layer where the plugin's policy does."""
+    from rangeprof.byoc.quantized import profile_moments, quantize_model
 
     qm = quantize_model(
         request.model,
@@ -144,6 +145,7 @@ def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin):
         request.input_shapes,
         request.fp32_fallback,
         request.exclude,
+        profile_moments(profile) if profile is not None else None,
     )
     return _ends_fp32(request, qm)
 
@@ -172,11 +174,11 @@ def _runnable_here(plugin):
     return plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
 
 
-def _host(plugin, request: QuantizeRequest, qm, qparams):
+def _host(plugin, request: QuantizeRequest, qm, qparams, profile):
     """``qm``, or the same model for a plugin that runs here when ``plugin`` is cross-compiled."""
     if plugin.runs_here:
         return qm
-    return _quantized(request, qparams, _runnable_here(plugin))
+    return _quantized(request, qparams, _runnable_here(plugin), profile)
 
 
 def _bias_corrections(
@@ -216,8 +218,8 @@ def build(request: BuildRequest, progress: Progress | None = None, held: Held = 
     report("quantizing", 0, 3)
     profile = _profile(request, held)
     qparams = _ranges(request, profile, held)(request.method)
-    qm = _quantized(request, qparams, plugin)
-    measured = _host(plugin, request, qm, qparams)
+    qm = _quantized(request, qparams, plugin, profile)
+    measured = _host(plugin, request, qm, qparams, profile)
     compiled: dict = {}  # the FP32 program serves bias correction and the budget
     if request.bias_correction is not None:
         corrections, record = _bias_corrections(
@@ -265,7 +267,7 @@ def evaluate(
     for method in methods:
         qparams = ranges(method)
         if qm is None:
-            qm = _quantized(request, qparams, plugin)
+            qm = _quantized(request, qparams, plugin, profile)
         else:
             qm = _replanned(request, qm, qparams)
         if request.bias_correction is not None:
@@ -300,7 +302,7 @@ def _report(
 
     best_method, best = max(results, key=rank)
     report = EvaluationReport.model_validate(
-        {"method": best_method, "target": request.target, "weight_bits": request.weight_bits} | best
+        {"method": best_method, "target": request.target} | best  # best says its weight bits
     )
     if request.bias_correction is not None:
         report.bias_correction = corrections[best_method]

@@ -13,7 +13,9 @@ Rules (each PrimFunc that no operator rule claims gets :func:`schedule_generic`)
   axis narrower than a vector (3 image channels) goes row by row instead (see
   :func:`schedule_spatial`).
 * **Reduction blocks** (mean, softmax sums and maxima, layer norm statistics): their spatial loops
-  fused and ``parallel``, the reduction loop serial inside.
+  fused and ``parallel``, the reduction loop serial inside. Where the last axis is kept (a sum
+  over rows, a global pooling in NHWC), its vector of columns goes innermost, under the
+  reduction: contiguous vector loads instead of one strided scalar per element.
 """
 
 from __future__ import annotations
@@ -85,10 +87,13 @@ def inline_epilogue(sch: s_tir.Schedule, block, keep=()):
 
 def unroll_vectorize_tile(sch: s_tir.Schedule, *blocks) -> None:
     """Register tiles outside the reduction (accumulator init, epilogue): the tile's rows
-    unrolled, its vector of lanes vectorised (the blocks' last two loops)."""
+    unrolled, its vector of lanes vectorised (the blocks' last two loops). A tile of one row
+    may have lost its row loop: the loop above the lanes then holds more than them (the tile's
+    parent, around the reduction too), and stays as it is."""
     for block in blocks:
         *_, rows, lanes = sch.get_loops(block)
-        sch.unroll(rows)
+        if sch.get(rows).body.same_as(sch.get(lanes)):
+            sch.unroll(rows)
         sch.vectorize(lanes)
 
 
@@ -144,17 +149,56 @@ def schedule_spatial(sch: s_tir.Schedule, block) -> None:
 
 
 def schedule_reduction(sch: s_tir.Schedule, block) -> None:
-    """``parallel`` over the fused spatial loops of a reduction block, reduction serial."""
+    """``parallel`` over the fused spatial loops of a reduction block, reduction serial; a last
+    axis that is kept (a sum over rows, a mean over NHWC pixels) is split into vector lanes
+    under the reduction (:func:`_reduce_columns`)."""
     loops = sch.get_loops(block)
     kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
     spatial = [lp for lp, k in zip(loops, kinds, strict=True) if k == tirx.IterVar.DataPar]
     reduce = [lp for lp, k in zip(loops, kinds, strict=True) if k != tirx.IterVar.DataPar]
     if not spatial:
         return
+    if _reads_columns(sch, block) and math.gcd(extent(sch, spatial[-1]), VECTOR) >= 4:
+        _reduce_columns(sch, block, spatial, reduce)
+        return
     sch.reorder(*spatial, *reduce)
     fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
     if extent(sch, fused) > 1:
         sch.parallel(fused)
+
+
+def _reads_columns(sch: s_tir.Schedule, block) -> bool:
+    """Whether the reduction keeps the contiguous axis of what it reads: a tensor it reads is
+    indexed by the block's last spatial axis in its last dimension, and none by a reduced axis
+    there (TE puts the reduced loops last whichever axes they reduce)."""
+    ivs = sch.get(block).iter_vars
+    last = [iv.var for iv in ivs if iv.iter_type == tirx.IterVar.DataPar][-1]
+    reduced = [iv.var for iv in ivs if iv.iter_type != tirx.IterVar.DataPar]
+    written = [w.source for w in sch.get(block).writes]
+    reads = [r for r in sch.get(block).reads if not any(r.source.same_as(w) for w in written)]
+    lasts = [r.region[-1].min for r in reads if r.region]
+    in_step = any(index.same_as(last) for index in lasts)
+    return in_step and not any(
+        v.same_as(r)
+        for index in lasts
+        for v in tirx.analysis.undefined_vars(index)
+        for r in reduced
+    )
+
+
+def _reduce_columns(sch: s_tir.Schedule, block, spatial: list, reduce: list) -> None:
+    """``spatial…, last / lanes | reduce… | lanes``: each step of the reduction reads a vector
+    of contiguous columns into a vector of partial results. Serial over the reduced axis and
+    vectorised over the kept one, it adds in the same order as the plain loop, lane by lane."""
+    work = math.prod(extent(sch, lp) for lp in sch.get_loops(block))
+    outer, lanes = sch.split(spatial[-1], [None, math.gcd(extent(sch, spatial[-1]), VECTOR)])
+    sch.reorder(*spatial[:-1], outer, *reduce, lanes)
+    rows = sch.fuse(*spatial[:-1], outer) if len(spatial) > 1 else outer
+    if extent(sch, rows) > 1 and work >= PARALLEL_MIN:
+        sch.parallel(rows)
+    sch.vectorize(lanes)  # before the init is split off: TIR vectorises only whole reductions
+    init = sch.decompose_reduction(block, reduce[0])
+    sch.vectorize(sch.get_loops(init)[-1])
 
 
 def schedule_generic(sch: s_tir.Schedule) -> None:

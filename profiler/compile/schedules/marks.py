@@ -1,7 +1,6 @@
 """Marks a rule leaves on a block, lowered after the schedules: the second half of a
-``tensorize`` (which segfaults in this TVM), done by hand. The softmax's vector ``exp``
-(:mod:`.normalization`) and the targets' dot-product instructions
-(:mod:`rangeprof.byoc.cpu.dot`) are lowered so."""
+``tensorize`` (which segfaults in this TVM), done by hand. The targets' dot-product
+instructions (:mod:`rangeprof.byoc.cpu.dot`) are lowered so."""
 
 from __future__ import annotations
 

@@ -18,20 +18,13 @@ Here every block is computed per row of the output, right before that row's epil
   into a row-sized buffer: exp is evaluated once per element, and the row stays in cache between
   the sum and the division. Everything else is inlined.
 
-LLVM has no vector ``exp``: a vectorised ``T.exp`` becomes one ``expf`` call per lane (most of a
-softmax's time). The rule annotates the blocks it keeps (:data:`VECTOR_EXP`), and
-:data:`lower_exp`, run right after the schedules, replaces their float32 ``exp`` by Cephes'
-``expf`` in plain arithmetic (range reduction by ln 2, a degree-7 polynomial, the power of two
-built in the exponent bits: within 2 ulp of libm), which vectorises. Arguments below
-``log(FLT_MIN)`` give 0, as libm's flushed result does in a softmax.
+Softmax's ``exp`` is vectorised arithmetic (:data:`~.activations.lower_vector_math`).
 """
 
 from __future__ import annotations
 
 import math
 
-import tvm
-import tvm_ffi
 from tvm import s_tir, tirx
 
 from rangeprof.profiler.compile.schedules.elementwise import (
@@ -42,51 +35,6 @@ from rangeprof.profiler.compile.schedules.elementwise import (
     largest_divisor,
     root_blocks,
 )
-from rangeprof.profiler.compile.schedules.marks import lower_marked_blocks
-
-VECTOR_EXP = "rangeprof.vector_exp"
-_LOG2E = 1.44269504088896341
-_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 in two parts: r = x - n·ln 2 exactly
-_EXP_POLY = (
-    1.9875691500e-4,
-    1.3981999507e-3,
-    8.3334519073e-3,
-    4.1665795894e-2,
-    1.6666665459e-1,
-    5.0000001201e-1,
-)
-_EXP_MIN, _EXP_MAX = -87.3365478515625, 88.3762626647949  # log(FLT_MIN), log(FLT_MAX)
-
-
-def _vector_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """``exp(x)`` for float32 ``x`` in arithmetic LLVM vectorises (Cephes' ``expf``)."""
-    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
-    clamped = tirx.min(tirx.max(x, f32(_EXP_MIN)), f32(_EXP_MAX))
-    n = tirx.floor(clamped * f32(_LOG2E) + f32(0.5))
-    r = clamped - n * f32(_LN2_HI) - n * f32(_LN2_LO)
-    poly = f32(_EXP_POLY[0])
-    for c in _EXP_POLY[1:]:
-        poly = poly * r + f32(c)
-    mantissa = poly * r * r + r + f32(1.0)
-    power = tirx.reinterpret("float32", (tirx.Cast("int32", n) + 127) << 23)
-    return tirx.Select(x < f32(_EXP_MIN), f32(0.0), mantissa * power)
-
-
-def _lower_exp_call(call: tvm.ir.Call, mutator) -> tirx.PrimExpr:
-    call = mutator.default_mutate(call)
-    if call.op.same_as(tvm.ir.Op.get("tirx.exp")) and str(call.ty) == "float32":
-        return _vector_exp(call.args[0])
-    return call
-
-
-@tvm.transform.module_pass(opt_level=0, name="LowerVectorExp")
-def lower_exp(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """``exp`` in the blocks the rule annotated → vectorisable arithmetic."""
-    return lower_marked_blocks(
-        mod,
-        VECTOR_EXP,
-        lambda block, _: tvm_ffi.structural_mutate(block.body, (tvm.ir.Call, _lower_exp_call)),
-    )
 
 
 def _rows_then_reduce(sch: s_tir.Schedule, block, rows: list[int], width: int) -> bool:
@@ -184,8 +132,6 @@ def schedule_normalization(sch: s_tir.Schedule) -> bool:
         _vectorize_partial(sch, partial)
     for block in blocks:
         if not is_reduction(sch, block):
-            sch.annotate(block, VECTOR_EXP, 1)
             _vectorize_row(sch, sch.get_loops(block)[-1], width)
-    sch.annotate(out, VECTOR_EXP, 1)
     _vectorize_row(sch, sch.get_loops(out)[-1], width)
     return True

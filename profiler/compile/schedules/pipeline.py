@@ -6,27 +6,36 @@ integer kernels: :func:`rangeprof.byoc.cpu.integer_rules`). Order of passes, and
 1. The canonical stages of :mod:`rangeprof.profiler.ir.stages` (the stage table ``inspect`` and
    the plugins share): ``DecomposeOpsForInference`` and
    :class:`~rangeprof.profiler.ir.passes.canonicalize.Canonicalize` (numpy constant folding,
-   ``Clip`` back to operators) make batch norms per-channel constants.
+   ``Clip`` back to operators, conv1d as a conv2d of height one) make batch norms per-channel
+   constants.
 2. :class:`~rangeprof.profiler.ir.passes.fold_scale_axis.FoldScaleAxis` folds them into conv /
    dense weights, leaving one bias add per layer. (Skipped with ``fold_scales=False``, the
    profiling build, where every tensor is observed and none folds: it stops at ``PROFILED``.)
-3. ``ConvertLayout`` to NHWC/OHWI: channels innermost, so every conv, pooling and elementwise
-   kernel vectorises over channels; ``Canonicalize`` folds the transposed weights; then the
-   rules' layout passes and the caller's ``layout_passes``.
-4. ``LegalizeOps`` with our legalizations (weights repacked in numpy, at build time): a rule's
-   first, then float32 conv2d and matmul (:mod:`.conv2d`, :mod:`.dense`), float32 ``erf`` as a
+3. :data:`~.activations.clip_as_bounds` (HardSwish / HardSigmoid clips as ``maximum`` /
+   ``minimum``, which have a layout inference), then
+   ``ConvertLayout`` to NHWC/OHWI (conv2d_transpose NHWC/IOHW): channels innermost, so every
+   conv, pooling and elementwise kernel vectorises over channels; ``Canonicalize`` folds the
+   transposed weights; then the rules' layout passes and the caller's ``layout_passes``.
+4. ``LegalizeOps`` with our legalizations (weights repacked in numpy, at build time; matmul
+   weights sliced from a constant folded first, :data:`~.dense.sliced_weights`, one-hot
+   matmuls as row gathers, :mod:`.embedding`): a rule's
+   first, then float32 conv2d (grouped by :mod:`.grouped_conv`, row convs, i.e. conv1d, by
+   :mod:`.conv1d`, then :mod:`.conv2d`),
+   conv2d_transpose (:mod:`.conv_transpose`) and matmul (:mod:`.dense`), float32 ``erf`` as a
    vectorisable approximation (:mod:`.activations`), ``floor_mod`` (:mod:`.floor_mod`).
    ``FuseOps`` / ``FuseTIR`` then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it (the
-   rules' first, then :mod:`.conv2d`, :mod:`.dense`, :mod:`.pooling`, :mod:`.normalization`:
-   layer norm, softmax), else the generic schedule of :mod:`.elementwise`; then the rules'
+   rules' first, then :mod:`.conv1d`, :mod:`.conv2d`, :mod:`.conv_transpose`, :mod:`.dense`,
+   :mod:`.pooling`, :mod:`.normalization` (layer norm, softmax), :mod:`.resize`), else the
+   generic schedule of :mod:`.elementwise`; then the rules'
    lowering passes (the marks their schedules left, :mod:`.marks`) and
-   :data:`~.normalization.lower_exp`.
+   :data:`~.activations.lower_vector_math` (``exp``, ``tanh``, ``sigmoid`` as vector arithmetic).
 6. TVM's own CPU lowering passes (dataflow lowering, memory planning, VM codegen).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -36,18 +45,42 @@ import tvm
 from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
-from rangeprof.profiler.compile.schedules.activations import legalize_erf
+from rangeprof.profiler.compile.schedules.activations import (
+    clip_as_bounds,
+    legalize_erf,
+    lower_vector_math,
+)
+from rangeprof.profiler.compile.schedules.conv1d import legalize_row_conv, schedule_row_conv
 from rangeprof.profiler.compile.schedules.conv2d import legalize_conv2d, schedule_conv2d
-from rangeprof.profiler.compile.schedules.dense import legalize_matmul, schedule_dense
+from rangeprof.profiler.compile.schedules.conv_transpose import (
+    legalize_conv2d_transpose,
+    schedule_conv2d_transpose,
+)
+from rangeprof.profiler.compile.schedules.dense import (
+    legalize_matmul,
+    schedule_dense,
+    sliced_weights,
+)
 from rangeprof.profiler.compile.schedules.elementwise import root_blocks, schedule_generic
+from rangeprof.profiler.compile.schedules.embedding import one_hot_gathers
 from rangeprof.profiler.compile.schedules.floor_mod import legalize_floor_mod
-from rangeprof.profiler.compile.schedules.normalization import lower_exp, schedule_normalization
+from rangeprof.profiler.compile.schedules.grouped_conv import legalize_grouped_conv2d
+from rangeprof.profiler.compile.schedules.normalization import schedule_normalization
 from rangeprof.profiler.compile.schedules.pooling import schedule_pooling
+from rangeprof.profiler.compile.schedules.resize import schedule_resize
 from rangeprof.profiler.ir.passes.canonicalize import Canonicalize
 from rangeprof.profiler.ir.stages import PROFILED, canonical_passes
 
 _LOG = logging.getLogger(__name__)
-_RULES = (schedule_conv2d, schedule_dense, schedule_pooling, schedule_normalization)
+_RULES = (
+    schedule_row_conv,
+    schedule_conv2d,
+    schedule_conv2d_transpose,
+    schedule_dense,
+    schedule_pooling,
+    schedule_normalization,
+    schedule_resize,
+)
 
 Legalization = Callable[[relax.BlockBuilder, relax.Call], relax.Expr | None]
 ScheduleRule = Callable[[s_tir.Schedule], bool]
@@ -152,31 +185,35 @@ def relax_pipeline(
     """
     target = target or host_target()
     legalize = {
-        "relax.nn.conv2d": legalize_conv2d,
-        "relax.matmul": legalize_matmul,
+        "relax.nn.conv2d": _first(
+            legalize_grouped_conv2d, _first(legalize_row_conv, legalize_conv2d)
+        ),
+        "relax.nn.conv2d_transpose": legalize_conv2d_transpose,
+        "relax.matmul": functools.partial(legalize_matmul, packed={}),
         "relax.erf": legalize_erf,
         "relax.floor_mod": legalize_floor_mod,
     }
     for op, rule in rules.legalize.items():
         legalize[op] = _first(rule, legalize.get(op))
-    # conv2d_transpose stays NCHW (TVM legalizes it in no other layout): the rewrite transposes
-    # around it, and only it.
-    layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
+    layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NHWC", "IOHW"]}
     passes = [
         *canonical_passes(until="fold_scale_axis" if fold_scales else PROFILED),
+        clip_as_bounds,
         relax.transform.ConvertLayout(layouts),
         Canonicalize(),
         *rules.layout_passes,
         *layout_passes,
         # sort, topk, cumsum and sampling have no legalization: they dispatch to TOPI kernels
         *cpu_generic.library_dispatch_passes(target),
+        sliced_weights,
+        one_hot_gathers,
         relax.transform.LegalizeOps(customize_legalize_map=legalize),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         apply_schedules(rules.schedules),
         *rules.lowering_passes,
-        lower_exp,
+        lower_vector_math,
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ]

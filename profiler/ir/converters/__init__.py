@@ -8,7 +8,8 @@ overrides a stock converter.
 
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
-from rangeprof.profiler.ir.converters.arithmetic import Pow
+from rangeprof.profiler.ir.converters.activations import Elu, Selu, Swish, ThresholdedRelu
+from rangeprof.profiler.ir.converters.arithmetic import CumProd, Pow
 from rangeprof.profiler.ir.converters.checked import ReduceMax, ReduceMin, Resize, Split, TopK
 from rangeprof.profiler.ir.converters.normalization import (
     BatchNormalization,
@@ -18,23 +19,55 @@ from rangeprof.profiler.ir.converters.normalization import (
     PRelu,
     RMSNormalization,
 )
-from rangeprof.profiler.ir.converters.recurrent import GRU, LSTM
+from rangeprof.profiler.ir.converters.pooling import MaxPool, MaxUnpool
+from rangeprof.profiler.ir.converters.quantization import DequantizeLinear, QuantizeLinear
+from rangeprof.profiler.ir.converters.recurrent import GRU, LSTM, RNN
+from rangeprof.profiler.ir.converters.tensors import (
+    EyeLike,
+    OneHot,
+    OptionalHasElement,
+    Reshape,
+    ReverseSequence,
+    SequenceLength,
+    Slice,
+    Trilu,
+    Upsample,
+)
 
 CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "BatchNormalization": BatchNormalization,
+    "CumProd": CumProd,
+    "DequantizeLinear": DequantizeLinear,
     "Dropout": Dropout,
+    "Elu": Elu,
+    "EyeLike": EyeLike,
     "GRU": GRU,
     "LayerNormalization": LayerNormalization,
     "LpNormalization": LpNormalization,
     "LSTM": LSTM,
+    "MaxPool": MaxPool,
+    "MaxUnpool": MaxUnpool,
+    "OneHot": OneHot,
+    "OptionalHasElement": OptionalHasElement,
     "Pow": Pow,
     "PRelu": PRelu,
+    "QuantizeLinear": QuantizeLinear,
     "ReduceMax": ReduceMax,
     "ReduceMin": ReduceMin,
+    "Reshape": Reshape,
+    "ReverseSequence": ReverseSequence,
     "Resize": Resize,
     "RMSNormalization": RMSNormalization,
+    "RNN": RNN,
+    "Selu": Selu,
+    "SequenceLength": SequenceLength,
+    "Slice": Slice,
     "Split": Split,
+    "Swish": Swish,
+    "ThresholdedRelu": ThresholdedRelu,
     "TopK": TopK,
+    "Trilu": Trilu,
+    "Upsample": Upsample,
 }
 
 

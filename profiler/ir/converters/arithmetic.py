@@ -1,4 +1,4 @@
-"""Arithmetic where TVM's converters miss ONNX's types.
+"""Arithmetic where TVM's converters miss ONNX's types, and CumProd, which TVM lacks.
 
 ``Pow`` with the exponent of another type than the base (ONNX allows any pair; Relax's
 ``power`` wants one float type): the result has the base's type, as ONNX defines it. A float
@@ -9,6 +9,9 @@ integer power), truncated for a float one (as the reference's cast of the float 
 
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
+
+from rangeprof.profiler.errors import ConversionError
+from rangeprof.profiler.ir.converters.common import constant_input
 
 
 def _integer(dtype: str) -> bool:
@@ -28,3 +31,21 @@ class Pow(onnx_frontend.Pow):
         if _integer(exponent_dtype):
             power = relax.op.round(power)
         return relax.op.astype(power, dtype)
+
+
+class CumProd(onnx_frontend.OnnxOpConverter):
+    """The running product along ``axis`` (``exclusive``: of the elements before; ``reverse``:
+    from the end), as CumSum's converter computes the running sum."""
+
+    @classmethod
+    def _impl_v26(cls, bb, inputs, attr, params):
+        axis = constant_input(inputs, 1)
+        if axis is None:
+            raise ConversionError("an axis computed at run time is not supported")
+        axis = int(axis.reshape(-1)[0])
+        data = inputs[0]
+        reverse = attr.get("reverse", 0)
+        if reverse:
+            data = relax.op.flip(data, axis)
+        product = relax.op.cumprod(data, axis, exclusive=bool(attr.get("exclusive", 0)))
+        return relax.op.flip(product, axis) if reverse else product

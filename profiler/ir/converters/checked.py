@@ -9,27 +9,15 @@ import math
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from rangeprof.profiler.errors import ConversionError
-
-
-def _stock(op_type: str, opset: int):
-    return onnx_frontend._get_convert_map()[op_type].get_converter(opset)
+from rangeprof.profiler.ir.converters.common import constant_input, static_dims, stock
 
 
 def _text(attr: dict, name: str, default: str) -> str:
     value = attr.get(name, default)
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _constant(inputs, k: int) -> np.ndarray | None:
-    """The value of input ``k`` when it is given and constant."""
-    expr = inputs[k] if len(inputs) > k else None
-    if isinstance(expr, tvm.ir.GenericConst):
-        return expr.value.numpy()
-    return None
 
 
 class _Checked(OnnxOpConverter):
@@ -44,19 +32,30 @@ class _Checked(OnnxOpConverter):
 
     @classmethod
     def get_converter(cls, opset):
-        stock = _stock(cls.op_type, opset)
+        tvm_convert = stock(cls.op_type, opset)
 
         def convert(bb, inputs, attr, params):
             cls.check(inputs, attr)
-            return stock(bb, inputs, attr, params)
+            return tvm_convert(bb, inputs, attr, params)
 
         return convert
 
 
-class Resize(_Checked):
-    """TVM's resize: refused where it would compute something else than ONNX's."""
+class Resize(OnnxOpConverter):
+    """TVM's resize, given roi, scales and sizes over every axis (ONNX lets them cover some
+    ``axes`` only, and sizes keep the aspect ratio by ``keep_aspect_ratio_policy``); refused where
+    it would compute something else than ONNX's."""
 
-    op_type = "Resize"
+    @classmethod
+    def get_converter(cls, opset):
+        tvm_convert = stock("Resize", opset)
+
+        def convert(bb, inputs, attr, params):
+            inputs, attr = _every_axis(inputs, attr)
+            cls.check(inputs, attr)
+            return tvm_convert(bb, inputs, attr, params)
+
+        return convert
 
     @classmethod
     def check(cls, inputs, attr) -> None:
@@ -65,27 +64,83 @@ class Resize(_Checked):
         mode = _text(attr, "coordinate_transformation_mode", "half_pixel")
         if mode == "half_pixel_symmetric":
             raise ConversionError(f"coordinate_transformation_mode {mode} is not supported")
-        x = inputs[0]
-        if not all(isinstance(d, tvm.tirx.IntImm) for d in x.ty.shape.values):
+        dims = static_dims(inputs[0])
+        if dims is None:
             return  # TVM's own checks apply
-        dims = [int(d) for d in x.ty.shape.values]
-        scales = _constant(inputs, 2)
+        scales = constant_input(inputs, 2)
         if scales is not None and scales.size == len(dims):
             for dim, scale in zip(dims, scales.tolist(), strict=True):
-                if not math.isclose(dim * scale, round(dim * scale), abs_tol=1e-6):
-                    raise ConversionError(
-                        f"scale {scale:g} on a dim of {dim} gives the fractional size "
-                        f"{dim * scale:g}: TVM resizes by the size ratio, ONNX by the scale"
-                    )
+                _check_whole(dim, scale)
+        if _output_dims(dims, inputs)[:2] != dims[:2]:
+            raise ConversionError(
+                "resizing the first two axes (batch, channels) is not supported: TVM resizes "
+                "the axes after them"
+            )
         if mode == "align_corners" and 1 in _output_dims(dims, inputs)[2:]:
             raise ConversionError("align_corners with an output dim of 1 is not supported")
 
 
+def _check_whole(dim: int, scale: float) -> None:
+    if not math.isclose(dim * scale, round(dim * scale), abs_tol=1e-6):
+        raise ConversionError(
+            f"scale {scale:g} on a dim of {dim} gives the fractional size "
+            f"{dim * scale:g}: TVM resizes by the size ratio, ONNX by the scale"
+        )
+
+
+def _every_axis(inputs, attr: dict) -> tuple[list, dict]:
+    """Resize's roi, scales and sizes over every axis: those ``axes`` leaves out keep their
+    size (roi 0 to 1, scale 1); sizes kept in aspect (``not_larger`` / ``not_smaller``) become
+    the sizes of one scale over the axes, which must give whole sizes."""
+    policy = _text(attr, "keep_aspect_ratio_policy", "stretch")
+    dims = static_dims(inputs[0])
+    if dims is None or ("axes" not in attr and policy == "stretch"):
+        return list(inputs), attr
+    rank = len(dims)
+    axes = [a % rank for a in attr.get("axes", range(rank))]
+    roi, scales, sizes = (_given(inputs, k, name) for k, name in enumerate(_RESIZE_INPUTS, 1))
+    full = [inputs[0], None, None, None]  # empty inputs omitted
+    if roi is not None:
+        whole = np.array([0.0] * rank + [1.0] * rank, roi.dtype)
+        whole[axes] = roi[: len(axes)]
+        whole[[rank + a for a in axes]] = roi[len(axes) :]
+        full[1] = relax.const(whole)
+    if scales is not None:
+        whole = np.ones(rank, scales.dtype)
+        whole[axes] = scales
+        full[2] = relax.const(whole)
+    if sizes is not None:
+        whole = np.array(dims, "int64")
+        whole[axes] = sizes
+        if policy != "stretch":
+            pick = min if policy == "not_larger" else max
+            scale = pick(size / dims[a] for size, a in zip(sizes.tolist(), axes, strict=True))
+            for a in axes:
+                _check_whole(dims[a], scale)
+                whole[a] = math.floor(dims[a] * scale + 0.5)  # ONNX rounds half up
+        full[3] = relax.const(whole)
+    rest = {k: v for k, v in attr.items() if k not in ("axes", "keep_aspect_ratio_policy")}
+    return full, rest
+
+
+_RESIZE_INPUTS = ("roi", "scales", "sizes")
+
+
+def _given(inputs, k: int, name: str) -> np.ndarray | None:
+    """Resize's input ``k`` when given (not omitted, not empty); it must be constant."""
+    if len(inputs) <= k or inputs[k] is None:
+        return None
+    value = constant_input(inputs, k)
+    if value is None:
+        raise ConversionError(f"{name} computed at run time are not supported with axes")
+    return value if value.size else None
+
+
 def _output_dims(dims: list[int], inputs) -> list[int]:
-    sizes = _constant(inputs, 3)
+    sizes = constant_input(inputs, 3)
     if sizes is not None and sizes.size == len(dims):
         return [int(s) for s in sizes]
-    scales = _constant(inputs, 2)
+    scales = constant_input(inputs, 2)
     if scales is not None and scales.size == len(dims):
         return [int(d * s) for d, s in zip(dims, scales.tolist(), strict=True)]
     return dims
@@ -109,13 +164,13 @@ class Split(OnnxOpConverter):
 
     @classmethod
     def get_converter(cls, opset):
-        stock = _stock("Split", opset)
+        tvm_convert = stock("Split", opset)
 
         def convert(bb, inputs, attr, params):
-            given = _constant(inputs, 1)
+            given = constant_input(inputs, 1)
             sizes = given.tolist() if given is not None else list(attr.get("split", []))
             if 0 not in sizes:
-                return stock(bb, inputs, attr, params)
+                return tvm_convert(bb, inputs, attr, params)
             x = inputs[0]
             axis = attr.get("axis", 0) % x.ty.ndim
             ends = np.cumsum(sizes).tolist()
@@ -136,14 +191,14 @@ def _extreme_reduction(op_type: str, largest: bool):
     class Reduction(OnnxOpConverter):
         @classmethod
         def get_converter(cls, opset):
-            stock = _stock(op_type, opset)
+            tvm_convert = stock(op_type, opset)
 
             def convert(bb, inputs, attr, params):
                 data = inputs[0]
                 dtype = str(data.ty.dtype)
                 if dtype == "bool":
                     data = bb.normalize(relax.op.astype(data, "uint8"))
-                out = bb.normalize(stock(bb, [data, *inputs[1:]], attr, params))
+                out = bb.normalize(tvm_convert(bb, [data, *inputs[1:]], attr, params))
                 if _size(data) == 0 and _size(out) != 0:
                     shape = [int(d) for d in out.ty.shape.values]
                     out = relax.const(np.full(shape, _identity(dtype, largest)))

@@ -1,4 +1,4 @@
-"""ONNX ``LSTM`` and ``GRU`` converters (TVM 0.27's Relax ONNX frontend has neither).
+"""ONNX ``LSTM``, ``GRU`` and ``RNN`` converters (TVM 0.27's Relax ONNX frontend has none).
 
 The recurrence is unrolled over the static sequence length with plain Relax tensor ops, so every
 gate of every step is an ordinary binding that the profiler can observe. The input projection
@@ -127,7 +127,7 @@ def _activations(attr: dict, defaults: tuple[str, ...], num_directions: int, op:
 
 @dataclass
 class _Node:
-    """One LSTM/GRU node with its attributes parsed and its shapes checked."""
+    """One LSTM/GRU/RNN node with its attributes parsed and its shapes checked."""
 
     inputs: list  # the frontend's ``onnx_input``: None for a missing optional input
     attr: dict
@@ -168,7 +168,7 @@ class _Recurrent(OnnxOpConverter):
 
     Subclasses give the gate count, default activations, which recurrent biases fold into the
     input projection, per-direction recurrent weights and the cell step. A state is a tuple:
-    ``(h,)`` for GRU, ``(h, c)`` for LSTM.
+    ``(h,)`` for GRU and RNN, ``(h, c)`` for LSTM.
     """
 
     num_gates = 0
@@ -402,3 +402,20 @@ class GRU(_Recurrent):
         candidate = node.activate(bb, d, 1, _add(bb, xw_t(2 * n, 3 * n), recurrent))
         h_new = _add(bb, _mul(bb, _one_minus(bb, z), candidate), _mul(bb, z, h))
         return (h_new,)
+
+
+class RNN(_Recurrent):
+    """ONNX RNN (opset 7+): ``h = f(X·Wᵀ + H·Rᵀ + Wb + Rb)``."""
+
+    num_gates = 1
+    default_activations = ("Tanh",)
+
+    @classmethod
+    def _recurrent_weights(cls, bb, node: _Node, r_t: Expr, d: int) -> dict:
+        return {"r_t": node.direction_slice(bb, r_t, d, 0, node.gates)}
+
+    @classmethod
+    def _step(cls, bb, node: _Node, d: int, xw_t, state, weights) -> tuple:
+        (h,) = state
+        pre = _add(bb, xw_t(0, node.hidden), _matmul(bb, h, weights["r_t"]))
+        return (node.activate(bb, d, 0, pre),)

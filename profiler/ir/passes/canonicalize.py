@@ -14,6 +14,10 @@ operators.
 * **Stack as a concat** of ``expand_dims``, **dropout as its inference value** (the input and
   a mask of ones), **squeeze axes counted from the front**: TVM's layout inference for these
   is broken. ``cosh`` and ``sinh`` through ``exp``, which LLVM lowers.
+* **A conv1d as a conv2d of height one** (``expand_dims`` → ``conv2d`` → ``squeeze``): the
+  BYOC patterns, ``FoldScaleAxis``, the layout rewrite and the CPU kernels know conv2d only (TVM's
+  own conv1d kernel ran a log-mel front end 100× slower than onnxruntime). The ``expand_dims``
+  carries the profileIDs of the tensor it reshapes, so a region's input is still that tensor.
 * **Clip as operators.** The ONNX importer lowers ``Clip`` to ``call_tir`` of a ``maximum`` /
   ``minimum`` PrimFunc with a scalar bound; ``ConvertLayout`` cannot see through ``call_tir`` and
   would transpose back to NCHW around every ReLU6, and no pattern matches it. Such calls become
@@ -27,6 +31,7 @@ from tvm import relax, s_tir, tirx
 
 from rangeprof.profiler.ir.passes.fold_constant import ConstantFolder, constant_value
 from rangeprof.profiler.ir.spans import ids_of, with_ids
+from rangeprof.profiler.ir.tagging import INPUT_PREFIX
 
 _BINARY = frozenset(
     (
@@ -79,6 +84,8 @@ class _Canonicalize(ConstantFolder):
             return _stack_as_concat(call)
         if call.op.name in _HYPERBOLIC:
             return _hyperbolic(call)
+        if call.op.name == "relax.nn.conv1d":
+            return _conv1d_as_conv2d(call, self._tensor_ids(call.args[0]), self.inlined)
         if call.op.name == "relax.squeeze" and call.attrs.axis is not None:
             return _squeeze_positive(call)
         if call.op.name == "relax.take":
@@ -96,6 +103,13 @@ class _Canonicalize(ConstantFolder):
         if call.op.name in _COMMUTATIVE and constant_value(args[0]) is not None:
             args = args[::-1]
         return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
+
+    def _tensor_ids(self, var) -> frozenset[str]:
+        """The profileIDs of the tensor ``var`` holds: a graph input's, or its binding's."""
+        value = self.lookup_binding(var)
+        while isinstance(value, relax.Var):
+            var, value = value, self.lookup_binding(value)
+        return frozenset([INPUT_PREFIX + str(var.name)]) if value is None else ids_of(value)
 
     def _full_rank(self, args: list) -> list:
         """Constant operands reshaped with leading unit axes to the other operand's rank."""
@@ -150,6 +164,30 @@ def _stack_as_concat(call: relax.Call) -> relax.Call:
     ids = ids_of(call)
     parts = [with_ids(relax.op.expand_dims(x, axis), ids) for x in fields]
     return _spanned(relax.op.concat(parts, axis), call.span)
+
+
+def _conv1d_as_conv2d(call: relax.Call, data_ids, inlined) -> relax.Call:
+    """``conv1d(x, w)`` (NCW / OIW) as ``squeeze(conv2d(expand_dims(x, 2), w[:, :, None]), 2)``;
+    ``data_ids``: the profileIDs of ``x``."""
+    a = call.attrs
+    if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCW", "OIW", "NCW"):
+        return call
+    data, weight = call.args[0], inlined(call.args[1])
+    value = constant_value(weight)
+    if value is not None:
+        weight = with_ids(relax.const(value[:, :, None], str(weight.ty.dtype)), ids_of(weight))
+    else:
+        weight = with_ids(relax.op.expand_dims(weight, 2), ids_of(call))
+    conv = relax.op.nn.conv2d(
+        with_ids(relax.op.expand_dims(data, 2), data_ids),
+        weight,
+        strides=[1, int(a.strides[0])],
+        padding=[0, int(a.padding[0]), 0, int(a.padding[1])],
+        dilation=[1, int(a.dilation[0])],
+        groups=int(a.groups),
+        out_dtype=a.out_dtype,
+    )
+    return _spanned(relax.op.squeeze(with_ids(conv, ids_of(call)), [2]), call.span)
 
 
 def _squeeze_positive(call: relax.Call) -> relax.Call:

@@ -1,0 +1,142 @@
+"""How compiled programs use the host's cores: TVM's thread pool set up to hold up when other
+processes compete for the cores, and the thread count chosen while a program runs.
+
+TVM 0.27's pool (``src/runtime/thread_pool.cc``, ``threading_backend.cc``) splits every parallel
+kernel into one equal task per thread and waits for the slowest, by default pins each worker to
+one core (``TVM_BIND_THREADS``) and lets an idle worker call ``sched_yield`` 300000 times
+(``TVM_THREAD_POOL_SPIN_COUNT``) before it sleeps. On a 2-core host where another process keeps
+one core busy, the worker pinned there waits a scheduler time slice at every kernel: PP-LCNet
+took 300 ms on two threads against 1 ms on one, and a process took minutes to exit, joining a
+worker whose every yield lasted a time slice. Unpinned and spinning briefly, two threads under
+such a load are still several times slower than one on small models (each kernel waits for
+both threads), while faster on an idle host: so the count is chosen by timing the program's
+own calls (:class:`AdaptiveThreads`). ``TVM_NUM_THREADS=1`` leaves nothing to choose.
+
+This module imports no TVM at its top: ``import rangeprof`` calls :func:`set_defaults` before
+TVM's pool starts, and stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+# Yields an idle worker makes before it sleeps: on an idle host some 50-200 us, enough to stay
+# awake between two kernels of one call; under contention a yield can last a time slice, and
+# this bounds how long an idle worker holds on (TVM's default, 300000, for minutes).
+SPIN_COUNT = 200
+WINDOW = 3  # the latest timed calls at each count that are compared
+# Calls at the chosen count between two probes of the other: doubled after each probe that
+# keeps the choice, from the first to the last, back to the first after a change.
+FIRST_PROBE, LAST_PROBE = 8, 1024
+_KBIG = 1  # TVM's ThreadGroup::AffinityMode kBig: every core of the fastest kind
+
+_applied = threading.local()  # the count this thread's TVM pool was last set to
+
+
+def set_defaults() -> None:
+    """TVM's pool settings unless the environment has its own; read when a thread's pool starts.
+
+    Every core (on x86 TVM halves the count for hyper-threading unless told, which leaves one
+    worker on a 2-core machine); workers not pinned to a core, so that the kernel's scheduler
+    moves them away from a busy one; a short spin (:data:`SPIN_COUNT`)."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+    os.environ.setdefault("TVM_BIND_THREADS", "0")
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
+
+
+def most_threads() -> int:
+    """The threads TVM's pool has (``TVM_NUM_THREADS``, else every core)."""
+    value = os.environ.get("TVM_NUM_THREADS", "")
+    return max(1, int(value)) if value.isdigit() else os.cpu_count() or 1
+
+
+def use_threads(count: int) -> None:
+    """Runs the calling thread's next TVM kernels on ``count`` threads (at most the pool's);
+    each Python thread has a pool of its own."""
+    if getattr(_applied, "count", None) == count:
+        return
+    import tvm
+
+    tvm.get_global_func("runtime.config_threadpool")(_KBIG, count)
+    _applied.count = count
+
+
+class AdaptiveThreads:
+    """A compiled function run on whichever of ``most`` (more than one) threads and one is
+    faster now.
+
+    After a first untimed call (allocations, the pool's start), calls alternate between the two
+    counts until each has :data:`WINDOW` timings; then each call runs on the faster count, and
+    one call now and then, at intervals that double while the choice holds, runs on the other.
+    One thread's speed is the fastest of its latest calls: other processes only ever slow a call
+    down, by a time slice (ms) here and there, which would make a sub-ms model's median look
+    several times slower. More threads' speed is the median of their latest calls: a load slows
+    most of them, for good. So the choice leans to one thread, which cannot collapse, and calls
+    on more threads are all timed: a load that starts makes them slower than one thread and the
+    choice changes at once. Calls on one thread are not timed, which keeps a small model's calls
+    as cheap as a plain call; a load that ends shows at the next probes."""
+
+    def __init__(self, function: Callable, most: int):
+        self._function = function
+        self._counts = (most, 1)
+        self._times = {count: deque(maxlen=WINDOW) for count in self._counts}
+        self.threads, self._other = most, 1  # the count chosen, the count probed
+        self._plan = [most, 1] * WINDOW + [most]  # the first calls' counts, last first
+        self._warm = False
+        self._interval = self._left = FIRST_PROBE  # calls between probes, calls to the next
+        self._limit = 0.0  # the other count's speed: a slower call may change the choice
+
+    def __call__(self, *args: Any) -> Any:
+        if self._plan:
+            count = self._plan.pop()
+        else:
+            self._left -= 1
+            count = self.threads if self._left >= 0 else self._other
+            if count == self.threads == 1:
+                use_threads(1)
+                return self._function(*args)
+        use_threads(count)
+        start = perf_counter()
+        result = self._function(*args)
+        seconds = perf_counter() - start
+        if self._warm:
+            self._times[count].append(seconds)
+        self._warm = True
+        if not self._plan and (count != self.threads or seconds > self._limit):
+            self._decide(count)
+        return result
+
+    def _decide(self, count: int) -> None:
+        """The choice after a call on ``count`` threads: a probe, the last of the first calls,
+        or a call slower than the other count."""
+        speed = {c: min(t) if c == 1 else sorted(t)[len(t) // 2] for c, t in self._times.items()}
+        before = self.threads
+        self.threads = min(self._counts, key=speed.__getitem__)
+        self._other = next(c for c in self._counts if c != self.threads)
+        self._limit = speed[self._other]
+        if self.threads != before:
+            self._interval = self._left = FIRST_PROBE
+        elif count != before:  # a probe that kept the choice
+            self._interval = self._left = min(2 * self._interval, LAST_PROBE)
+
+
+_functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def vm_function(vm, name: str = "main") -> Callable:
+    """``vm[name]`` run on the thread count that is faster now (:class:`AdaptiveThreads`), the
+    same object on every call for one VM, so that its timings persist; ``vm[name]`` itself when
+    the pool has one thread."""
+    most = most_threads()
+    if most == 1:
+        return vm[name]
+    functions = _functions.setdefault(vm, {})
+    if name not in functions:
+        functions[name] = AdaptiveThreads(vm[name], most)
+    return functions[name]

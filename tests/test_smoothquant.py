@@ -1,0 +1,338 @@
+"""SmoothQuant from stored statistics: per-channel ranges of dense-layer inputs in every profile,
+masks counted but never called an overflow, smoothing scales chosen from the statistics alone
+(checked against a numpy simulation of the quantized layer), and the Relax pass that folds them
+in with the model's function and lineage unchanged."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+from rangeprof.profiler.calibrate.smoothing import (
+    AARCH64,
+    X86,
+    DenseInput,
+    Grid,
+    choose,
+    clipping,
+    estimate_error,
+    plan_smoothing,
+)
+from rangeprof.profiler.compile.schedules import build, host_target
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.lineage import verify_lineage
+from rangeprof.profiler.ir.onnx_load import load_model
+from rangeprof.profiler.ir.passes.smooth_quant import (
+    SMOOTHED,
+    SmoothingError,
+    SmoothQuant,
+    dense_inputs,
+    smooth_quant,
+    smoothed_id,
+    smoothing_sites,
+)
+from rangeprof.profiler.ir.spans import ids_of
+from rangeprof.profiler.ir.stages import run_stages
+from rangeprof.profiler.profiling.document import (
+    flag_nonfinite,
+    merge_profiles,
+    nonfinite_summary,
+    tensors_bytes,
+    validate,
+)
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+from rangeprof.profiler.profiling.statistics import TensorStats
+
+import onnx_builders as mb
+from conftest import SHARED, zoo_model
+from ort_reference import exposed_session
+
+T, D = 8, 16  # tokens, model width
+
+
+def _transformer() -> onnx.ModelProto:
+    """A pre-LN transformer block and head: q/k/v read one LayerNorm, a causal mask constant of
+    -inf is sliced and added to the scores, fc2 reads a ReLU, the head a Gemm on a reshape of
+    the last LayerNorm; one channel of the first LayerNorm an outlier (gamma 12)."""
+    rng = np.random.default_rng(0)
+
+    def w(*shape, scale=0.3):
+        return rng.normal(size=shape) * scale
+
+    gamma = np.ones(D)
+    gamma[3] = 12.0
+    mask = np.triu(np.full((16, 16), -np.inf), k=1)
+    inits = {
+        "g1": gamma, "b1": w(D), "g2": 1 + w(D), "b2": w(D), "g3": 1 + w(D), "b3": w(D),
+        "wq": w(D, D), "wk": w(D, D), "wv": w(D, D), "wo": w(D, D), "w1": w(D, 4 * D),
+        "w2": w(4 * D, D), "head": w(5, D), "hb": w(5), "mask": mask, "scale": np.array(0.25),
+    }  # fmt: skip
+    n = helper.make_node
+    nodes = [
+        n("LayerNormalization", ["x", "g1", "b1"], ["ln1"], name="ln1", axis=-1),
+        *(n("MatMul", ["ln1", f"w{c}"], [c], name=c) for c in "qkv"),
+        n("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+        n("MatMul", ["q", "kt"], ["qk"], name="qk"),
+        n("Mul", ["qk", "scale"], ["scores"], name="scores"),
+        n("Slice", ["mask", "s0", "s1", "sa"], ["causal"], name="causal"),
+        n("Add", ["scores", "causal"], ["masked"], name="masked"),
+        n("Softmax", ["masked"], ["p"], name="p", axis=-1),
+        n("MatMul", ["p", "v"], ["att"], name="att"),
+        n("MatMul", ["att", "wo"], ["o"], name="o"),
+        n("Add", ["x", "o"], ["r"], name="r"),
+        n("LayerNormalization", ["r", "g2", "b2"], ["ln2"], name="ln2", axis=-1),
+        n("MatMul", ["ln2", "w1"], ["h"], name="fc1"),
+        n("Relu", ["h"], ["hr"], name="relu"),
+        n("MatMul", ["hr", "w2"], ["f"], name="fc2"),
+        n("Add", ["r", "f"], ["r2"], name="r2"),
+        n("LayerNormalization", ["r2", "g3", "b3"], ["ln3"], name="ln3", axis=-1),
+        n("Reshape", ["ln3", "flat"], ["rows"], name="rows"),
+        n("Gemm", ["rows", "head", "hb"], ["y"], name="head", transB=1),
+    ]
+    ints = {"s0": [0, 0], "s1": [T, T], "sa": [0, 1], "flat": [T, D]}
+    graph = helper.make_graph(
+        nodes,
+        "tiny_transformer",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, T, D])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, 5])],
+        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()]
+        + [numpy_helper.from_array(np.asarray(v, np.int64), k) for k, v in ints.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+@functools.cache
+def _data() -> np.ndarray:
+    return np.random.default_rng(1).normal(size=(6, T, D)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return mb.save(_transformer(), tmp_path_factory.mktemp("smoothquant"))
+
+
+@pytest.fixture(scope="module")
+def profile(model_path) -> dict:
+    return validate(profile_model(model_path, _data(), options=ProfileOptions(bins=128)))
+
+
+# --- 1. per-channel statistics of dense inputs ------------------------------------------------
+
+
+def test_a_default_profile_has_per_channel_ranges_of_every_dense_input(model_path, profile):
+    entries = {t["profile_id"]: t for t in profile["tensors"]}
+    mod = import_onnx(load_model(model_path)).mod
+    readers = dense_inputs(mod)
+    assert set(readers) == {"ln1", "att", "ln2", "relu", "rows"}
+    session = exposed_session(model_path)
+    names = [o.name for o in session.get_outputs()]
+    runs = [dict(zip(names, session.run(names, {"x": x[None]}), strict=True)) for x in _data()]
+    for profile_id, weights in readers.items():
+        entry = entries[profile_id]
+        channels = entry["per_channel"]
+        assert channels["axis"] == len(entry["shape"]) - 1 and "mean" not in channels
+        assert len(channels["max"]) == weights[0].shape[0]
+        width = weights[0].shape[0]
+        ref = np.concatenate([r[entry["source_tensor"]].reshape(-1, width) for r in runs])
+        np.testing.assert_allclose(channels["max"], ref.max(axis=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(channels["min"], ref.min(axis=0), rtol=1e-5, atol=1e-6)
+    # other activations keep no per-channel ranges unless asked (--channel-stats)
+    assert entries["masked"]["per_channel"] is None
+
+
+def test_shards_merge_into_the_single_pass_profile(model_path, profile):
+    options = ProfileOptions(bins=128)
+    shards = [profile_model(model_path, _data()[a:b], options=options) for a, b in ((0, 2), (2, 6))]
+    merged = merge_profiles(*shards)
+    assert tensors_bytes(merged) == tensors_bytes(profile)
+
+
+# --- 2. masks ---------------------------------------------------------------------------------
+
+
+def test_the_causal_mask_is_counted_and_not_an_overflow(profile):
+    entries = {t["profile_id"]: t for t in profile["tensors"]}
+    masked = entries["masked"]
+    assert masked["inf_count"] == len(_data()) * T * (T - 1) // 2  # above the diagonal
+    assert masked["min"] is not None and np.isfinite([masked["min"], masked["max"]]).all()
+    assert masked["masked"] is True and "overflow" not in masked
+    assert masked["nonfinite_inputs"] == ["causal"]
+    assert masked["nonfinite_origins"] == ["weight:mask"]
+    assert entries["causal"]["masked"] is True and entries["causal"]["static"]
+    assert not any(t.get("overflow") for t in profile["tensors"])
+    (line,) = nonfinite_summary(profile)
+    assert line.startswith(f"masked: {masked['inf_count']} inf values from constant weight:mask")
+
+
+def _entry(profile_id: str, count: int, infs: int, static: bool = False, **more) -> dict:
+    kind = "weight" if profile_id.startswith("weight:") else "activation"
+    return {"profile_id": profile_id, "kind": kind, "static": static, "count": count,
+            "nan_count": 0, "inf_count": infs, **more}  # fmt: skip
+
+
+def test_masked_or_overflow_is_a_function_of_the_counts():
+    """The scores plus a broadcast mask hold exactly the mask's share of inf (or NaN, where an
+    inf met an inf of the other sign); one non-finite value more is an overflow."""
+    mask = _entry("slice", 64, 28, static=True)
+    for infs, nans, verdict in ((28 * 10, 0, "masked"), (28 * 10 + 1, 0, "overflow"),
+                                (28 * 10 - 1, 1, "masked"), (28 * 10, 1, "overflow")):  # fmt: skip
+        scores = _entry("add", 640, infs, nonfinite_inputs=["slice"])
+        scores["nan_count"] = nans
+        reshaped = _entry("reshape", 640, infs + nans, nonfinite_inputs=["add"])
+        plain = _entry("other", 640, infs)
+        tensors = [mask, scores, reshaped, plain]
+        flag_nonfinite(tensors)
+        assert mask.get("masked") and "overflow" not in mask
+        assert scores.get(verdict) and reshaped.get(verdict), (infs, nans)
+        assert plain.get("overflow") == (True if infs else None)
+
+
+# --- 3. scales from stored statistics -----------------------------------------------------------
+
+
+def _outlier_layer(seed: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """Activations ``[4096, 64]`` with channel 5 thirty times the others, weights ``[64, 32]``."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(4096, 64)) + 0.3
+    x[:, 5] *= 30.0
+    return x, rng.normal(size=(64, 32)) * 0.1
+
+
+def _quantized(x: np.ndarray, lo: float, hi: float, grid: Grid) -> np.ndarray:
+    """``x`` on the per-tensor grid of ``[lo, hi]``, as the integer kernels see it."""
+    if grid.activation_scheme == "asym":
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        step = (hi - lo) / 255
+        zero = np.round(-lo / step)
+        return (np.clip(np.round(x / step) + zero, 0, 255) - zero) * step
+    step = max(abs(lo), abs(hi)) / 127
+    return np.clip(np.round(x / step), -128, 127) * step
+
+
+def _simulated(x, w, s, stats: DenseInput, grid: Grid) -> float:
+    """The mean squared output error of the layer quantized after smoothing by ``s``: the
+    smoothed activations on the range the statistics give, the weights per output channel."""
+    ws = w * s[:, None]
+    step = np.abs(ws).max(axis=0) / grid.weight_max
+    wq = np.round(ws / step) * step
+    lo, hi = np.nanmin(stats.lo / s), np.nanmax(stats.hi / s)
+    return float(np.mean((_quantized(x / s, lo, hi, grid) @ wq - x @ w) ** 2))
+
+
+@pytest.mark.parametrize("grid", [X86, AARCH64], ids=["x86", "aarch64"])
+def test_an_outlier_channel_is_smoothed_and_the_int8_error_drops(grid):
+    x, w = _outlier_layer()
+    calib, held_out = x[:2048], x[2048:]
+    record = TensorStats.observe(calib, 64, channel_axis=1)
+    stats = DenseInput.from_entry({"shape": [2048, 64], **record.to_json()})
+    choice = choose(stats, [w[:, :16], w[:, 16:]], grid)  # two layers reading one input
+    assert choice.smoothed and choice.alpha > 0
+    assert choice.error < choice.unsmoothed
+    smoothed_lo, smoothed_hi = stats.lo / choice.scales, stats.hi / choice.scales
+    assert choice.range == (smoothed_lo.min(), smoothed_hi.max())
+    ones = np.ones(64)
+    # on new data: less than half the error
+    assert _simulated(held_out, w, choice.scales, stats, grid) < 0.5 * _simulated(
+        held_out, w, ones, stats, grid
+    )
+    # on the data the statistics come from (nothing clipped) the rounding model is close
+    for s in (choice.scales, ones):
+        rounding = estimate_error(stats, w, s, grid) - np.mean(clipping(stats, s, grid) @ w**2)
+        assert rounding / _simulated(calib, w, s, stats, grid) == pytest.approx(1.0, abs=0.15)
+
+
+def test_even_channels_are_left_alone():
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(2048, 32)), rng.normal(size=(32, 8))
+    entry = {"shape": [2048, 32], **TensorStats.observe(x, 64, channel_axis=1).to_json()}
+    choice = choose(DenseInput.from_entry(entry), [w], X86, alphas=(1.0,))
+    assert not choice.smoothed and np.array_equal(choice.scales, np.ones(32))
+
+
+# --- 4. the Relax pass ----------------------------------------------------------------------------
+
+
+def _output(mod: tvm.IRModule, inputs: list[np.ndarray]) -> np.ndarray:
+    vm = relax.VirtualMachine(build(mod, host_target()), tvm.cpu())
+    return vm["main"](*(tvm.runtime.tensor(x) for x in inputs)).numpy()
+
+
+def _ids(mod: tvm.IRModule) -> tuple[set[str], set[str]]:
+    """The profileIDs on ``main``'s binding values, and on its constants."""
+    bindings = {i for b in mod["main"].body.blocks for v in b.bindings for i in ids_of(v.value)}
+    constants: set[str] = set()
+
+    def visit(expr):
+        if isinstance(expr, tvm.ir.GenericConst):
+            constants.update(ids_of(expr))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return bindings, constants
+
+
+def _check_lineage(before: tvm.IRModule, after: tvm.IRModule, sites) -> None:
+    """Every binding maps to initial-IR IDs (an inserted multiply to its input's, through its
+    derived ID), weights keep theirs, and the tracked stages lose none."""
+    bindings, constants = _ids(before)
+    new_bindings, new_constants = _ids(after)
+    derived = {i for i in new_bindings if i.endswith(SMOOTHED)}
+    assert derived == {smoothed_id(k) for k, site in sites.items() if not site.folded}
+    assert {i.removesuffix(SMOOTHED) for i in new_bindings} == bindings
+    assert new_constants == constants
+    reports = [stage.report for stage in run_stages(after, bindings | constants)]
+    assert verify_lineage(reports, bindings) == []
+
+
+def test_the_pass_keeps_the_function_and_the_lineage(model_path, profile):
+    mod = import_onnx(load_model(model_path)).mod
+    plan = plan_smoothing(profile, dense_inputs(mod), X86)
+    assert plan.skipped == {} and plan.choices["ln1"].smoothed  # the outlier channel
+    rng = np.random.default_rng(4)
+    scales = {k: np.exp(rng.normal(size=len(c.scales))) for k, c in plan.choices.items()}
+    smoothed, sites = smooth_quant(mod, scales)
+    folded = {k for k, site in sites.items() if site.folded}
+    assert folded == {"ln1", "ln2", "rows"}  # q/k/v share ln1's scales; the head through a reshape
+    assert sites["rows"].tensor_ids == ("ln3", "rows")
+    assert sites["relu"].tensor_ids == ("relu#smoothed",)
+    x = [_data()[0][None]]
+    reference = _output(mod, x)
+    np.testing.assert_allclose(_output(smoothed, x), reference, rtol=1e-5, atol=1e-5)
+    _check_lineage(mod, smoothed, sites)
+
+
+def test_scales_that_do_not_fit_are_refused(model_path):
+    mod = import_onnx(load_model(model_path)).mod
+    with pytest.raises(SmoothingError, match="smoothing masked: no dense layer reads it"):
+        smooth_quant(mod, {"masked": np.ones(T)})
+    with pytest.raises(SmoothingError, match="smoothing ln1: needs 16 positive scales"):
+        smooth_quant(mod, {"ln1": -np.ones(D)})
+
+
+@pytest.mark.parametrize("name", ["char_gpt", "tiny_bert"])
+def test_zoo_transformers_compute_the_same_smoothed(name):
+    mod = import_onnx(load_model(zoo_model(name))).mod
+    rng = np.random.default_rng(5)
+    scales = {k: np.exp(rng.normal(size=w[0].shape[0])) for k, w in dense_inputs(mod).items()}
+    sites = smoothing_sites(mod, scales)
+    if name == "char_gpt":  # pre-LN: the LayerNorms take the scales
+        assert sum(site.folded for site in sites.values()) == 9
+        tokens = np.load(SHARED / "data" / "pycode.npz")["calib"][:1]
+    else:
+        tokens = rng.integers(0, 8000, size=(1, 128))
+    smoothed = SmoothQuant(scales)(mod)
+    reference = _output(mod, [tokens])
+    got = _output(smoothed, [tokens])
+    np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5 * np.abs(reference).max())
+    bindings, constants = _ids(mod)
+    new_bindings, new_constants = _ids(smoothed)
+    assert {i.removesuffix(SMOOTHED) for i in new_bindings} == bindings
+    assert new_constants == constants

@@ -1,0 +1,179 @@
+"""TVM's thread pool as our runtime sets it up (``rangeprof.profiler.compile.threads``): the
+settings ``import rangeprof`` gives a fresh process, a thread count taking effect in the calling
+thread's pool, workers left unpinned, and the choice of thread count following which count is
+faster (on a clock the test drives: no timing), with a compiled model's outputs the same on
+either count."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from rangeprof.profiler.compile import threads
+from rangeprof.profiler.compile.schedules import build
+from rangeprof.profiler.compile.threads import FIRST_PROBE, LAST_PROBE, SPIN_COUNT
+from rangeprof.profiler.ir.importer import import_onnx
+from rangeprof.profiler.ir.onnx_load import load_model
+
+from conftest import zoo_model
+
+POOL = ("TVM_NUM_THREADS", "TVM_BIND_THREADS", "TVM_THREAD_POOL_SPIN_COUNT")
+
+
+def _child(code: str, **env: str) -> str:
+    """``code``'s output in a fresh Python, its environment without TVM's pool settings but
+    ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in POOL}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_import_sets_the_pool_settings_and_keeps_the_users():
+    show = f"import os, json, rangeprof; print(json.dumps([os.environ.get(k) for k in {POOL}]))"
+    assert json.loads(_child(show)) == [str(os.cpu_count()), "0", str(SPIN_COUNT)]
+    users = {"TVM_NUM_THREADS": "1", "TVM_BIND_THREADS": "1", "TVM_THREAD_POOL_SPIN_COUNT": "7"}
+    assert json.loads(_child(show, **users)) == ["1", "1", "7"]
+
+
+def test_a_count_takes_effect_in_the_calling_threads_pool():
+    code = (
+        "import threading, rangeprof, tvm\n"
+        "from rangeprof.profiler.compile.threads import use_threads\n"
+        "seen = []\n"
+        "use_threads(1); seen.append(tvm.runtime.num_threads())\n"
+        "use_threads(2); seen.append(tvm.runtime.num_threads())\n"
+        "use_threads(1)\n"
+        "other = threading.Thread(target=lambda: seen.append(tvm.runtime.num_threads()))\n"
+        "other.start(); other.join()\n"
+        "seen.append(tvm.runtime.num_threads())\n"
+        "print(seen)\n"
+    )
+    # Another thread's pool is its own, at every thread.
+    assert _child(code, TVM_NUM_THREADS="2") == "[1, 2, 2, 1]"
+
+
+_AFFINITIES = (
+    "import json, os, rangeprof\n"
+    "from rangeprof.profiler.compile.threads import use_threads\n"
+    "use_threads(2)\n"  # starts this thread's pool: its worker exists and is configured
+    "tasks = sorted(int(t) for t in os.listdir('/proc/self/task'))\n"
+    "print(json.dumps(sorted({len(os.sched_getaffinity(t)) for t in tasks})))\n"
+)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_workers_are_not_pinned_to_a_core():
+    cores = len(os.sched_getaffinity(0))
+    assert json.loads(_child(_AFFINITIES, TVM_NUM_THREADS="2")) == [cores]  # every thread
+    # TVM's own default pins the worker to one core: what the setting above undoes.
+    pinned = json.loads(_child(_AFFINITIES, TVM_NUM_THREADS="2", TVM_BIND_THREADS="1"))
+    assert pinned[0] == 1
+
+
+def _in_a_pool_of_two(monkeypatch, run):
+    """``run()`` in a new Python thread, whose TVM pool starts with two workers whatever this
+    process's count (one under pytest-xdist)."""
+    monkeypatch.setenv("TVM_NUM_THREADS", "2")
+    failure = []
+
+    def target():
+        try:
+            run()
+        except BaseException as err:  # re-raised in the test's thread
+            failure.append(err)
+
+    worker = threading.Thread(target=target)
+    worker.start()
+    worker.join()
+    if failure:
+        raise failure[0]
+
+
+def test_the_choice_follows_the_faster_count(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
+    cost = {2: 1.0, 1: 2.0}  # an idle host: two threads faster
+    counts = []
+
+    def kernel():
+        counts.append(tvm.runtime.num_threads())
+        clock[0] += cost[counts[-1]]
+
+    def scenario():
+        chooser = threads.AdaptiveThreads(kernel, 2)
+        for _ in range(7 + 1 + 7 * FIRST_PROBE + 3):
+            chooser()
+        # A first call, the two counts in turn, then two threads with probes of one at
+        # intervals that double.
+        assert counts[:7] == [2, 1, 2, 1, 2, 1, 2]
+        probes = [i for i, c in enumerate(counts) if c == 1 and i >= 7]
+        assert np.diff(probes).tolist() == [2 * FIRST_PROBE + 1, 4 * FIRST_PROBE + 1]
+        assert chooser.threads == 2
+
+        cost.update({2: 10.0, 1: 2.5})  # a competing load: two threads collapse
+        start = len(counts)
+        for _ in range(2):
+            chooser()
+        assert chooser.threads == 1  # at the second slow call
+        for _ in range(3 * LAST_PROBE):
+            chooser()
+        assert counts[start + 2 :].count(2) <= 10  # probes only, ever rarer
+
+        cost.update({2: 1.0, 1: 2.0})  # the load ends
+        calls = 0
+        while chooser.threads == 1:
+            chooser()
+            calls += 1
+            assert calls <= 2 * LAST_PROBE + 2  # two probes at most
+
+    _in_a_pool_of_two(monkeypatch, scenario)
+
+
+def test_one_thread_wins_through_time_slices_lost(monkeypatch):
+    """A sub-ms model on a busy host: two of its first three single-threaded calls lose a time
+    slice to another process, while two threads are steadily slower."""
+    clock = [0.0]
+    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
+    one_thread = iter([9.0, 1.0, 9.0])
+
+    def kernel():
+        clock[0] += next(one_thread, 1.0) if tvm.runtime.num_threads() == 1 else 1.5
+
+    def scenario():
+        chooser = threads.AdaptiveThreads(kernel, 2)
+        for _ in range(7):
+            chooser()
+        assert chooser.threads == 1
+
+    _in_a_pool_of_two(monkeypatch, scenario)
+
+
+def test_a_model_runs_alike_on_either_count(monkeypatch):
+    executable = build(
+        import_onnx(load_model(zoo_model("digits_cnn"), {"image": (4, 1, 8, 8)})).mod
+    )
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    image = tvm.runtime.tensor(np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32))
+
+    def scenario():
+        main = threads.vm_function(vm)
+        assert threads.vm_function(vm) is main  # one chooser per VM: its timings persist
+        # The first calls alternate between the two counts: the same outputs on each.
+        outputs = [main(image).numpy() for _ in range(7)]
+        for output in outputs[1:]:
+            np.testing.assert_array_equal(output, outputs[0])
+
+    _in_a_pool_of_two(monkeypatch, scenario)
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    assert not isinstance(threads.vm_function(vm), threads.AdaptiveThreads)

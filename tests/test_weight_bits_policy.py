@@ -1,0 +1,193 @@
+"""Weight bits chosen per CPU and per layer: 8 on CPUs with VNNI, and on AVX2 without it 7 for
+each layer whose output error budget allows them (:func:`rangeprof.byoc.policy.layer_weight_bits`,
+from the profile's moments), 8 elsewhere; an explicit ``weight_bits`` wins. The CPU is forced
+with ``RANGEPROF_X86_MCPU`` (every machine of ours runs AVX2 code, VNNI or not); the AVX2 build
+states its bits in its manifest and in evaluate's report, and computes exactly the integers of
+TVM's own (unscheduled) lowering of the same module."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+from onnx import helper
+from tvm import relax
+
+from rangeprof.byoc.plugin import get_plugin
+from rangeprof.byoc.policy import ActivationQ, QuantPolicy, layer_weight_bits, quantize_weights
+from rangeprof.byoc.quantized import profile_moments, qparams_from_profile, quantize_model
+from rangeprof.byoc.x86 import make_plugin
+from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
+from rangeprof.workflows import quantize
+from rangeprof.workflows.requests import BuildRequest, EvaluateRequest
+
+from onnx_builders import save, single_io_model
+
+AVX2_CPU = "znver3"  # Zen 3: AVX2, no VNNI
+MCPU = "RANGEPROF_X86_MCPU"
+
+
+@pytest.mark.parametrize(
+    "mcpu, bits",
+    [("znver3", None), ("znver1", None), ("haswell", None), ("znver4", 8), ("cascadelake", 8)],
+)
+def test_the_policy_follows_the_cpu(mcpu, bits, monkeypatch):
+    """Per layer (None) where the CPU's fastest 8-bit dot product needs 7-bit weights."""
+    monkeypatch.setenv(MCPU, mcpu)
+    plugin = get_plugin("x86")
+    assert plugin.policy.weight_bits == bits and plugin.options == {"mcpu": mcpu}
+    assert str(plugin.target().attrs["mcpu"]) == mcpu
+    for explicit in (7, 8):  # an explicit choice wins
+        assert get_plugin("x86", weight_bits=explicit).policy.weight_bits == explicit
+    assert make_plugin(mcpu).policy == plugin.policy
+
+
+def test_other_targets_keep_eight_bits_and_a_bad_cpu_is_refused(monkeypatch):
+    monkeypatch.setenv(MCPU, AVX2_CPU)
+    assert get_plugin("aarch64").policy.weight_bits == get_plugin("npu").policy.weight_bits == 8
+    monkeypatch.setenv(MCPU, "zen9000")
+    with pytest.raises(RangeprofError, match=r"^x86 CPU 'zen9000': LLVM knows no such CPU"):
+        get_plugin("x86")
+
+
+def _added_noise(w: np.ndarray, mean: float, std: float, samples: int = 20000) -> float:
+    """The mean square 7-bit weights add to a conv's output over 8-bit ones, mean over output
+    channels, measured on inputs drawn with ``mean`` and ``std``."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(mean, std, size=(samples, w[0].size))
+    rows = w.reshape(len(w), -1)
+    squares = {}
+    for bits in (7, 8):
+        wq, scales = quantize_weights(w, 0, QuantPolicy(weight_bits=bits))
+        error = wq.reshape(len(w), -1) * scales[:, None] - rows
+        squares[bits] = np.square(x @ error.T).mean(axis=0)
+    return float(np.mean(squares[7] - squares[8]))
+
+
+def test_seven_bits_where_the_added_noise_is_within_the_output_rounding():
+    """The decision flips where the noise 7-bit weights add, measured on sampled inputs of the
+    profile's mean and std, crosses the output grid's rounding noise ``s_y² / 12``; without an
+    output grid or without moments it is 8."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 4, 3, 3))
+    mean, std = 0.5, 0.3
+    threshold = np.sqrt(12 * _added_noise(w, mean, std))  # the output scale where they are equal
+    x = ActivationQ("x", 0.01, 0, "uint8")
+    policy = QuantPolicy(weight_bits=None)
+
+    def bits(y_scale, moments=(mean, std)):
+        y = None if y_scale is None else ActivationQ("y", y_scale, 0, "uint8")
+        return layer_weight_bits(w, 0, policy, x, y, moments)
+
+    assert bits(1.1 * threshold) == 7
+    assert bits(0.9 * threshold) == 8
+    assert bits(None) == 8 and bits(10 * threshold, None) == 8
+
+
+def _conv(name: str, inp: str, out: str, w: np.ndarray, inits: dict) -> list:
+    inits[f"{name}.w"] = w
+    conv = helper.make_node("Conv", [inp, f"{name}.w"], [f"{name}.c"], name=name, pads=[1] * 4)
+    return [conv, helper.make_node("Relu", [f"{name}.c"], [out], name=f"{name}.relu")]
+
+
+@pytest.fixture(scope="module")
+def two_convs(tmp_path_factory):
+    """A model whose first conv's weights are exact on 7 bits (all ±0.1: 7 bits add nothing)
+    and whose second's lose most of their values on 7 bits (one weight per channel 50 times
+    the others), its profile on random data, and data to evaluate on."""
+    folder = tmp_path_factory.mktemp("two_convs")
+    rng = np.random.default_rng(3)
+    exact = 0.1 * rng.choice([-1.0, 1.0], size=(16, 3, 3, 3))
+    spread = rng.normal(0, 0.02, size=(16, 16, 3, 3))
+    spread[np.arange(16), np.arange(16), 1, 1] = 1.0
+    inits: dict = {}
+    nodes = _conv("first", "x", "r", exact, inits) + _conv("second", "r", "y", spread, inits)
+    path = save(single_io_model(nodes, inits, (1, 3, 8, 8), (1, 16, 8, 8)), folder)
+    profile = profile_model(path, "random", options=ProfileOptions(samples=8))
+    (folder / "profile.json").write_text(json.dumps(profile))
+    data = folder / "data.npz"
+    np.savez(data, x=rng.normal(size=(4, 3, 8, 8)).astype(np.float32))
+    return path, profile, data
+
+
+def _bits(manifest) -> list:
+    return [r.weight.bits for r in manifest.regions]
+
+
+def test_the_avx2_build_states_its_bits_and_computes_the_integer_reference(
+    two_convs, monkeypatch, tmp_path
+):
+    """By default on AVX2: 7 bits for the first conv, 8 for the second, in the manifest; the
+    artifact (``vpmaddubsw`` for the first, ``vpmaddwd`` for the second) computes what TVM's
+    own lowering of the same integer module computes."""
+    path, profile, data = two_convs
+    monkeypatch.setenv(MCPU, AVX2_CPU)
+    request = BuildRequest(model=path, profile=path.parent / "profile.json", out=tmp_path / "art")
+    manifest = quantize.build(request)
+    assert _bits(manifest) == [7, 8] and manifest.target_options == {"mcpu": AVX2_CPU}
+    assert "7-bit ±63 where a layer's error budget allows it" in manifest.policy["weights"]
+
+    plugin = get_plugin("x86")
+    qparams = qparams_from_profile(profile, plugin, "mse", 99.99)
+    qm = quantize_model(path, qparams, plugin, moments=profile_moments(profile))
+    module = qm.lower()[0]
+    x = tvm.runtime.tensor(np.load(data)["x"][:1])
+    library = str(tmp_path / "art" / manifest.library)
+    built = relax.VirtualMachine(tvm.runtime.load_module(library), tvm.cpu())["main"](x)
+    reference = tvm.compile(module, target=tvm.target.Target({"kind": "llvm"}))
+    expected = relax.VirtualMachine(reference, tvm.cpu())["main"](x)
+    assert np.array_equal(built.numpy(), expected.numpy())
+
+    (llvm,) = [m for m in plugin.compile(module).mod.imports if m.kind == "llvm"]
+    assembly = llvm.inspect_source("asm")
+    assert "vpmaddubsw" in assembly and "vpmaddwd" in assembly
+    assert "vpdpbusd" not in assembly and "zmm" not in assembly
+
+
+def test_the_evaluate_report_states_each_layers_bits(two_convs, monkeypatch):
+    path, _, data = two_convs
+    monkeypatch.setenv(MCPU, AVX2_CPU)
+    profile = path.parent / "profile.json"
+    request = EvaluateRequest(model=path, profile=profile, data=f"{data}:x")
+    report = quantize.evaluate(request)
+    assert report.weight_bits is None  # chosen per layer
+    assert {layer.profile_id: layer.weight_bits for layer in report.layers} == {
+        "first.relu": 7,
+        "second.relu": 8,
+    }
+
+
+@pytest.mark.parametrize(
+    "mcpu, weight_bits, moments, expected",
+    [
+        (AVX2_CPU, 8, True, [8, 8]),  # explicit: every layer
+        (AVX2_CPU, 7, True, [7, 7]),
+        (AVX2_CPU, None, False, [8, 8]),  # qparams without the profile's moments
+        ("znver4", None, True, [8, 8]),  # VNNI: 8
+    ],
+)
+def test_explicit_bits_win_and_eight_without_statistics_or_on_vnni(
+    two_convs, monkeypatch, mcpu, weight_bits, moments, expected
+):
+    path, profile, _ = two_convs
+    monkeypatch.setenv(MCPU, mcpu)
+    plugin = get_plugin("x86", weight_bits)
+    qparams = qparams_from_profile(profile, plugin, "mse", 99.99)
+    stats = profile_moments(profile) if moments else None
+    qm = quantize_model(path, qparams, plugin, moments=stats)
+    assert [r["weight"]["bits"] for r in qm.manifest()["regions"]] == expected
+
+
+def test_layers_on_int16_activations_take_eight_bits(two_convs, monkeypatch):
+    """The most sensitive layers (an accuracy budget's int16 ones) gain nothing from 7 bits."""
+    path, profile, _ = two_convs
+    monkeypatch.setenv(MCPU, AVX2_CPU)
+    plugin = get_plugin("x86")
+    qparams = qparams_from_profile(profile, plugin, "mse", 99.99)
+    qm = quantize_model(path, qparams, plugin, moments=profile_moments(profile))
+    first = qm.regions[0]
+    assert qm.weight_bits(first, "int8") == 7 and qm.weight_bits(first, "int16") == 8
+    assert qm.weight_bits(first, "fp32") is None
