@@ -66,9 +66,9 @@ def test_every_case_passes_or_is_refused_cleanly(outcomes, capsys):
 
 
 def test_most_cases_pass(outcomes):
-    """Well over 60 % of the cases pass (75.2 % of these 1608 on 2026-11-24)."""
+    """Well over 70 % of the cases pass (78.0 % of these 1608 when last counted)."""
     passed = sum(o.status == PASS for o in outcomes.values())
-    assert passed / len(outcomes) > 0.72, f"{passed} of {len(outcomes)} cases pass"
+    assert passed / len(outcomes) > 0.76, f"{passed} of {len(outcomes)} cases pass"
 
 
 def test_clean_refusals_are_one_line(outcomes):
