@@ -40,7 +40,7 @@ _COPIES = {PROFILE: (10, 4, 5), EVALUATE: (16, 6, 8), BUILD: (0, 0, 6)}
 # output vector, its running total, its record, their merges.
 _HISTOGRAM_COPIES = (4, 5)
 # A rate no host reaches: a profile reads every value of every tensor more than once (measured
-# on 2 Zen 3 cores: 40 ns a value for resnet18, 3 ns for digits_cnn in batches of 4096).
+# on 2 Zen 4 cores: 40 ns a value for resnet18, 3 ns for digits_cnn in batches of 4096).
 _SECONDS_PER_VALUE = 1e-10
 _WHAT = {PROFILE: "the run", EVALUATE: "the evaluation", BUILD: "the build"}
 
