@@ -84,8 +84,10 @@ def out_size(size, kernel: int, stride: int, dilation: int, before: int, after: 
     return (size + before + after - (kernel - 1) * dilation - 1) // stride + 1
 
 
-def conv2d_nhwc_packed(data, weight, strides, padding, dilation):
-    """``out[n, y, x, o] = Σ pad[n, y·s + ky·d, x·s + kx·d, i] · w[o / ob, ky, kx, i, o % ob]``."""
+def conv2d_nhwc_packed(data, weight, strides, padding, dilation, group_channels: int = 0):
+    """``out[n, y, x, o] = Σ pad[n, y·s + ky·d, x·s + kx·d, i] · w[o / ob, ky, kx, i, o % ob]``;
+    with ``group_channels`` (output channels per group) a grouped conv, whose input channel is
+    ``o // group_channels · I/g + i`` (``I/g`` = the weight's input channels)."""
     n, h, w, _ = data.shape
     blocks, kh, kw, ci, ob = (int(d) for d in weight.shape)
     (sh, sw), (dh, dw) = strides, dilation
@@ -97,10 +99,15 @@ def conv2d_nhwc_packed(data, weight, strides, padding, dilation):
         te.reduce_axis((0, kw), "rx"),
         te.reduce_axis((0, ci), "rc"),
     )
+
+    def channel(o):
+        return o // group_channels * ci + rc if group_channels else rc
+
     return te.compute(
         (n, oh, ow, blocks * ob),
         lambda b, y, x, o: te.sum(
-            padded[b, y * sh + ry * dh, x * sw + rx * dw, rc] * weight[o // ob, ry, rx, rc, o % ob],
+            padded[b, y * sh + ry * dh, x * sw + rx * dw, channel(o)]
+            * weight[o // ob, ry, rx, rc, o % ob],
             axis=[ry, rx, rc],
         ),
         name=CONV,

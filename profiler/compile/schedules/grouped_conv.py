@@ -18,35 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import relax, te
+from tvm import relax
 
-from rangeprof.profiler.compile.schedules.conv2d import CONV, out_size, pad_nhwc, register_tile
+from rangeprof.profiler.compile.schedules.conv2d import conv2d_nhwc_packed, register_tile
 from rangeprof.profiler.compile.schedules.isa import vector_unit
-
-
-def grouped_conv2d_nhwc_packed(data, weight, strides, padding, dilation, group_channels: int):
-    """``out[n, y, x, o] = Σ pad[n, y·s + ky·d, x·s + kx·d, o // group_channels · I/g + i] ·
-    w[o / ob, ky, kx, i, o % ob]`` (``I/g`` = the weight's input channels)."""
-    n, h, w, _ = data.shape
-    blocks, kh, kw, ci, ob = (int(d) for d in weight.shape)
-    (sh, sw), (dh, dw) = strides, dilation
-    oh = out_size(h, kh, sh, dh, padding[0], padding[2])
-    ow = out_size(w, kw, sw, dw, padding[1], padding[3])
-    padded = pad_nhwc(data, padding)
-    ry, rx, rc = (
-        te.reduce_axis((0, kh), "ry"),
-        te.reduce_axis((0, kw), "rx"),
-        te.reduce_axis((0, ci), "rc"),
-    )
-    return te.compute(
-        (n, oh, ow, blocks * ob),
-        lambda b, y, x, o: te.sum(
-            padded[b, y * sh + ry * dh, x * sw + rx * dw, o // group_channels * ci + rc]
-            * weight[o // ob, ry, rx, rc, o % ob],
-            axis=[ry, rx, rc],
-        ),
-        name=CONV,
-    )
 
 
 def legalize_grouped_conv2d(bb: relax.BlockBuilder, call: relax.Call):
@@ -72,7 +47,7 @@ def legalize_grouped_conv2d(bb: relax.BlockBuilder, call: relax.Call):
     packed = w.reshape(out_ch // ob, ob, kh, kw, in_per_group).transpose(0, 2, 3, 4, 1)
     args = dict(strides=attrs.strides, padding=attrs.padding, dilation=attrs.dilation)
     return bb.call_te(
-        grouped_conv2d_nhwc_packed,
+        conv2d_nhwc_packed,
         data,
         relax.const(np.ascontiguousarray(packed), "float32"),
         **{k: [int(v) for v in vals] for k, vals in args.items()},
