@@ -38,6 +38,7 @@ from rangeprof.profiler.compile.schedules.elementwise import (
     extent,
     inline_epilogue,
     schedule_spatial,
+    unroll_vectorize_tile,
 )
 from rangeprof.profiler.compile.schedules.isa import VectorUnit, vector_unit
 
@@ -140,12 +141,7 @@ def schedule_row_conv(sch: s_tir.Schedule) -> bool:
     sch.unroll(xi)
     sch.vectorize(oi)
     init = sch.decompose_reduction(conv, ry)
-    *_, rows, lanes = sch.get_loops(init)
-    sch.unroll(rows)
-    sch.vectorize(lanes)
-    *_, frames, channels = sch.get_loops(out)
-    sch.unroll(frames)
-    sch.vectorize(channels)
+    unroll_vectorize_tile(sch, init, out)
     pad = find_block(sch, PAD)
     if pad is not None:
         schedule_spatial(sch, pad)

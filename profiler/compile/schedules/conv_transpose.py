@@ -37,6 +37,7 @@ from rangeprof.profiler.compile.schedules.elementwise import (
     inline_epilogue,
     largest_divisor,
     schedule_spatial,
+    unroll_vectorize_tile,
 )
 from rangeprof.profiler.compile.schedules.isa import vector_unit
 
@@ -171,9 +172,7 @@ def schedule_conv2d_transpose(sch: s_tir.Schedule) -> bool:
     sch.unroll(qxi)
     sch.vectorize(ci)
     init = sch.decompose_reduction(conv, ry)
-    *_, rows, lanes = sch.get_loops(init)
-    sch.unroll(rows)
-    sch.vectorize(lanes)
+    unroll_vectorize_tile(sch, init)
     _schedule_row(sch, out, 2)
     pad = find_block(sch, PAD)
     if pad is not None:
