@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,9 @@ from rangeprof.profiler.ir.onnx_load import load_model
 from rangeprof.profiler.ir.passes.smooth_quant import dense_inputs
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from smoothing_reference import simulated
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
@@ -50,26 +54,6 @@ def activations(model: Path, tensors: list[str], feeds: list[dict]) -> dict[str,
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     runs = [session.run(tensors, feed) for feed in feeds]
     return {name: np.concatenate([r[i] for r in runs]) for i, name in enumerate(tensors)}
-
-
-def _quantized(x: np.ndarray, lo: float, hi: float, grid: Grid) -> np.ndarray:
-    if grid.activation_scheme == "asym":
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
-        step = (hi - lo) / 255
-        zero = np.round(-lo / step)
-        return (np.clip(np.round(x / step) + zero, 0, 255) - zero) * step
-    step = max(abs(lo), abs(hi)) / 127
-    return np.clip(np.round(x / step), -128, 127) * step
-
-
-def simulated(x: np.ndarray, w: np.ndarray, s: np.ndarray, stats: DenseInput, grid: Grid) -> float:
-    """Mean squared output error of ``x @ w`` quantized after smoothing by ``s``."""
-    ws = w * s[:, None]
-    step = np.abs(ws).max(axis=0) / grid.weight_max
-    step[step == 0] = 1.0
-    lo, hi = np.nanmin(stats.lo / s), np.nanmax(stats.hi / s)
-    out = _quantized(x / s, lo, hi, grid) @ (np.round(ws / step) * step)
-    return float(np.mean((out - x @ w) ** 2))
 
 
 def layer_rows(profile: dict, weights: dict, values: dict, grid: Grid) -> list[dict]:

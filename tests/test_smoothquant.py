@@ -18,7 +18,6 @@ from rangeprof.profiler.calibrate.smoothing import (
     AARCH64,
     X86,
     DenseInput,
-    Grid,
     choose,
     clipping,
     estimate_error,
@@ -52,6 +51,7 @@ from rangeprof.profiler.profiling.statistics import TensorStats
 import onnx_builders as mb
 from conftest import SHARED, zoo_model
 from ort_reference import exposed_session
+from smoothing_reference import simulated
 
 T, D = 8, 16  # tokens, model width
 
@@ -207,27 +207,6 @@ def _outlier_layer(seed: int = 2) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.normal(size=(64, 32)) * 0.1
 
 
-def _quantized(x: np.ndarray, lo: float, hi: float, grid: Grid) -> np.ndarray:
-    """``x`` on the per-tensor grid of ``[lo, hi]``, as the integer kernels see it."""
-    if grid.activation_scheme == "asym":
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
-        step = (hi - lo) / 255
-        zero = np.round(-lo / step)
-        return (np.clip(np.round(x / step) + zero, 0, 255) - zero) * step
-    step = max(abs(lo), abs(hi)) / 127
-    return np.clip(np.round(x / step), -128, 127) * step
-
-
-def _simulated(x, w, s, stats: DenseInput, grid: Grid) -> float:
-    """The mean squared output error of the layer quantized after smoothing by ``s``: the
-    smoothed activations on the range the statistics give, the weights per output channel."""
-    ws = w * s[:, None]
-    step = np.abs(ws).max(axis=0) / grid.weight_max
-    wq = np.round(ws / step) * step
-    lo, hi = np.nanmin(stats.lo / s), np.nanmax(stats.hi / s)
-    return float(np.mean((_quantized(x / s, lo, hi, grid) @ wq - x @ w) ** 2))
-
-
 @pytest.mark.parametrize("grid", [X86, AARCH64], ids=["x86", "aarch64"])
 def test_an_outlier_channel_is_smoothed_and_the_int8_error_drops(grid):
     x, w = _outlier_layer()
@@ -241,13 +220,13 @@ def test_an_outlier_channel_is_smoothed_and_the_int8_error_drops(grid):
     assert choice.range == (smoothed_lo.min(), smoothed_hi.max())
     ones = np.ones(64)
     # on new data: less than half the error
-    assert _simulated(held_out, w, choice.scales, stats, grid) < 0.5 * _simulated(
+    assert simulated(held_out, w, choice.scales, stats, grid) < 0.5 * simulated(
         held_out, w, ones, stats, grid
     )
     # on the data the statistics come from (nothing clipped) the rounding model is close
     for s in (choice.scales, ones):
         rounding = estimate_error(stats, w, s, grid) - np.mean(clipping(stats, s, grid) @ w**2)
-        assert rounding / _simulated(calib, w, s, stats, grid) == pytest.approx(1.0, abs=0.15)
+        assert rounding / simulated(calib, w, s, stats, grid) == pytest.approx(1.0, abs=0.15)
 
 
 def test_even_channels_are_left_alone():
