@@ -33,6 +33,7 @@ from rangeprof.profiler.calibrate.smoothing import (
     X86,
     DenseInput,
     Grid,
+    dense_input_stats,
     plan_smoothing,
     smoothing_scales,
 )
@@ -58,7 +59,7 @@ def activations(model: Path, tensors: list[str], feeds: list[dict]) -> dict[str,
 
 def layer_rows(profile: dict, weights: dict, values: dict, grid: Grid) -> list[dict]:
     entries = {t["profile_id"]: t for t in profile["tensors"]}
-    plan = plan_smoothing(profile, weights, grid)
+    plan = plan_smoothing(dense_input_stats(profile), weights, grid)
     rows = []
     for profile_id, choice in plan.choices.items():
         stats = DenseInput.from_entry(entries[profile_id])

@@ -75,6 +75,9 @@ class Manifest(_Open):
     policy: dict[str, str]
     calibration: CalibrationRecord | None
     bias_correction: dict[str, Any] | None = None
+    # SmoothQuant: each smoothed input's strength, fold and estimated error ratio; and why the
+    # other dense inputs were left (``rangeprof.byoc.smoothing.Smoothing.to_json``).
+    smoothing: dict[str, Any] | None = None
     regions: list[RegionRecord]
     library: str
     library_sha256: str

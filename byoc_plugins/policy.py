@@ -79,6 +79,8 @@ class QuantPolicy:
     requantize: str = FIXED_POINT  # or FLOAT (see the module doc)
     # The activation type of layers too sensitive for 8 bits ("int16"), or None: FP32 then.
     wide_activations: str | None = None
+    # SmoothQuant dense layers' inputs where the stored statistics say the error drops.
+    smooth_quant: bool = True
 
     def __post_init__(self):
         if self.weight_bits not in (*WEIGHT_BITS, None):
@@ -161,7 +163,7 @@ def _bits_note(bits: int | None) -> str:
 POLICIES = {
     "x86": QuantPolicy(requantize=FLOAT, wide_activations="int16"),
     "aarch64": QuantPolicy(requantize=FLOAT),
-    "npu": QuantPolicy(integer_outputs=True, wide_activations="int16"),
+    "npu": QuantPolicy(integer_outputs=True, wide_activations="int16", smooth_quant=False),
 }
 TARGETS = tuple(POLICIES)
 

@@ -28,6 +28,7 @@ from .lowering import FP32, INT8, INT16, lower
 from .plugin import Plugin
 from .policy import layer_weight_bits, quantize_weights
 from .regions import Region, plan_regions
+from .smoothing import Smoothing, smooth
 
 if TYPE_CHECKING:
     from rangeprof.profiler.profiling.records import ProfileDocument
@@ -44,6 +45,7 @@ class QuantizedModel:
     qparams: dict  # the QPARAMS document used
     bias_correction: dict | None = None  # how the biases were corrected (.bias_correction)
     moments: Moments | None = None  # the profile's, for weight bits chosen per layer
+    smoothing: Smoothing | None = None  # the dense inputs SmoothQuant smoothed
 
     def lower(self, modes: dict[str, str] | None = None, expose: bool = False):
         """The lowered module and the profileIDs of its exposed outputs (:func:`lower`)."""
@@ -63,15 +65,17 @@ class QuantizedModel:
                 f"the qparams are for model {qparams['model']['name']!r} "
                 f"(sha256 {qparams['model']['sha256'][:12]}…), not this file ({sha[:12]}…)"
             )
+        layers = self.imported.layers
+        if self.smoothing is not None:
+            qparams = self.smoothing.qparams(qparams)
+            layers = self.smoothing.layers(layers)
         by_id = {entry["profile_id"]: entry for entry in qparams["qparams"]}
         float_outputs = not self.plugin.policy.integer_outputs
         regions = plan_regions(
-            self.partitioned, self.imported.layers, by_id, fp32_fallback, float_outputs, exclude
+            self.partitioned, layers, by_id, fp32_fallback, float_outputs, exclude
         )
         regions = [self._with_weight_bits(r) for r in regions]
-        return QuantizedModel(
-            self.imported, self.plugin, self.partitioned, regions, qparams, moments=self.moments
-        )
+        return replace(self, regions=regions, qparams=qparams, bias_correction=None)
 
     def _with_weight_bits(self, region: Region) -> Region:
         """``region`` with its weights' bits where the policy chooses them per layer
@@ -110,6 +114,7 @@ class QuantizedModel:
             "policy": self.plugin.policy.to_json(),
             "calibration": self.qparams.get("options"),
             **({"bias_correction": self.bias_correction} if self.bias_correction else {}),
+            **({"smoothing": self.smoothing.to_json()} if self.smoothing else {}),
             "regions": [self._region_json(r, modes[r.name]) for r in self.regions],
         }
 
@@ -162,15 +167,24 @@ def quantize_model(
     fp32_fallback: bool = False,
     exclude: tuple[str, ...] = (),
     moments: Moments | None = None,
+    smooth_quant: bool | None = None,
+    smooth_alpha: float | None = None,
 ) -> QuantizedModel:
     """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``;
     ``moments`` (:func:`profile_moments` of the qparams' profile) let a policy that chooses
-    weight bits per layer narrow them (without: 8 bits).
+    weight bits per layer narrow them (without: 8 bits). Dense layers' inputs are smoothed
+    (:func:`~.smoothing.smooth`: ``smooth_quant`` None as the target's policy says, with
+    ``smooth_alpha`` or each input's best strength) from the document's statistics.
 
     A QDQ model is built as the FP32 model beneath its pairs (the plugin quantizes it itself;
     ``rangeprof import-qparams`` gives its pairs' scales as ``qparams``)."""
     imported = import_onnx(load_model(path, input_shapes, dequantize=True))
     equalize = EQUALIZATION in qparams["model"].get("transforms", [])
-    partitioned = partition(canonicalized(imported.mod, equalize), plugin.patterns())
-    unplanned = QuantizedModel(imported, plugin, partitioned, [], qparams, moments=moments)
+    canonical, smoothing = smooth(
+        canonicalized(imported.mod, equalize), qparams, plugin.policy, smooth_quant, smooth_alpha
+    )
+    partitioned = partition(canonical, plugin.patterns())
+    unplanned = QuantizedModel(
+        imported, plugin, partitioned, [], qparams, moments=moments, smoothing=smoothing
+    )
     return unplanned.replanned(qparams, fp32_fallback, exclude)

@@ -238,3 +238,63 @@ def mobilenet_v3_block() -> onnx.ModelProto:
         node("Gemm", ["f1", "fc2.w", "fc2.b"], ["y"], name="fc2"),
     ]
     return single_io_model(nodes, inits, (1, 3, 16, 16), (1, 10), name="mobilenet_v3_block")
+
+
+TRANSFORMER_TOKENS, TRANSFORMER_WIDTH = 8, 16
+
+
+def pre_ln_transformer(hidden_outlier: float = 1.0) -> onnx.ModelProto:
+    """A pre-LN transformer block and head: q/k/v read one LayerNorm, a causal mask constant of
+    -inf is sliced and added to the scores, fc2 reads a ReLU, the head a Gemm on a reshape of
+    the last LayerNorm; one channel of the first LayerNorm an outlier (gamma 12), and one
+    hidden channel of fc1 ``hidden_outlier`` times the others."""
+    T, D = TRANSFORMER_TOKENS, TRANSFORMER_WIDTH
+    rng = np.random.default_rng(0)
+
+    def w(*shape, scale=0.3):
+        return rng.normal(size=shape) * scale
+
+    gamma = np.ones(D)
+    gamma[3] = 12.0
+    mask = np.triu(np.full((16, 16), -np.inf), k=1)
+    inits = {
+        "g1": gamma, "b1": w(D), "g2": 1 + w(D), "b2": w(D), "g3": 1 + w(D), "b3": w(D),
+        "wq": w(D, D), "wk": w(D, D), "wv": w(D, D), "wo": w(D, D), "w1": w(D, 4 * D),
+        "w2": w(4 * D, D), "head": w(5, D), "hb": w(5), "mask": mask, "scale": np.array(0.25),
+    }  # fmt: skip
+    inits["w1"][:, 5] *= hidden_outlier
+    n = helper.make_node
+    nodes = [
+        n("LayerNormalization", ["x", "g1", "b1"], ["ln1"], name="ln1", axis=-1),
+        *(n("MatMul", ["ln1", f"w{c}"], [c], name=c) for c in "qkv"),
+        n("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+        n("MatMul", ["q", "kt"], ["qk"], name="qk"),
+        n("Mul", ["qk", "scale"], ["scores"], name="scores"),
+        n("Slice", ["mask", "s0", "s1", "sa"], ["causal"], name="causal"),
+        n("Add", ["scores", "causal"], ["masked"], name="masked"),
+        n("Softmax", ["masked"], ["p"], name="p", axis=-1),
+        n("MatMul", ["p", "v"], ["att"], name="att"),
+        n("MatMul", ["att", "wo"], ["o"], name="o"),
+        n("Add", ["x", "o"], ["r"], name="r"),
+        n("LayerNormalization", ["r", "g2", "b2"], ["ln2"], name="ln2", axis=-1),
+        n("MatMul", ["ln2", "w1"], ["h"], name="fc1"),
+        n("Relu", ["h"], ["hr"], name="relu"),
+        n("MatMul", ["hr", "w2"], ["f"], name="fc2"),
+        n("Add", ["r", "f"], ["r2"], name="r2"),
+        n("LayerNormalization", ["r2", "g3", "b3"], ["ln3"], name="ln3", axis=-1),
+        n("Reshape", ["ln3", "flat"], ["rows"], name="rows"),
+        n("Gemm", ["rows", "head", "hb"], ["y"], name="head", transB=1),
+    ]
+    ints = {"s0": [0, 0], "s1": [T, T], "sa": [0, 1], "flat": [T, D]}
+    graph = helper.make_graph(
+        nodes,
+        "tiny_transformer",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, T, D])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, 5])],
+        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()]
+        + [numpy_helper.from_array(np.asarray(v, np.int64), k) for k, v in ints.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model

@@ -78,10 +78,11 @@ from pathlib import Path
 
 import numpy as np
 
+from rangeprof.profiler.calibrate.smoothing import dense_input_stats
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.statistics import Histogram, TensorStats, canonical_exponent
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 # The clip-range methods; a user may also ask for "best", the one of them that fits each tensor.
 METHODS = ("max", "percentile", "entropy", "mse")
 CHOICES = (*METHODS, "best")
@@ -241,6 +242,7 @@ def calibrate(
         recorded["target"] = target
     if weights is not None:
         recorded["weights"] = {k: v for k, v in weights.to_json().items() if k != "percentile"}
+    dense = {k: x.to_json() for k, x in dense_input_stats(profile).items()}
     return {
         "schema_version": SCHEMA_VERSION,
         "model": dict(profile["model"]),
@@ -248,6 +250,8 @@ def calibrate(
         "qparams": [
             qparams_for(entry, options_of(entry)).to_json() for entry in profile["tensors"]
         ],
+        # What a build needs to choose SmoothQuant's scales from the document alone.
+        **({"dense_inputs": dense} if dense else {}),
     }
 
 
@@ -280,7 +284,15 @@ def qparams_for(entry: dict, options: CalibrationOptions) -> QParams:
             note=note,
         )
     method, lo, hi, note = _clip_range(stats, options, entry["profile_id"])
-    grid = _grid(*_with_zero(lo, hi), t, options)
+    return range_qparams(common, method, lo, hi, options, note)
+
+
+def range_qparams(
+    common: dict, method: str, lo: float, hi: float, options: CalibrationOptions, note=None
+) -> QParams:
+    """The per-tensor qparams of the range ``[lo, hi]`` (widened to hold 0) on ``options``'
+    grid; ``common`` names the tensor (profile_id, source_tensor, kind, dtype)."""
+    grid = _grid(*_with_zero(lo, hi), options.int_type, options)
     if grid.degenerate:
         note = "zero-width range (all zeros or no finite values): scale 1.0"
     return QParams(

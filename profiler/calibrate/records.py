@@ -57,14 +57,26 @@ class QParamsRecord(Record):
     note: str | None
 
 
+class DenseInputRecord(Record):
+    """The stored statistics of a tensor dense layers read, copied from the profile: each
+    channel's range along the last axis (null: no finite value), the mean square and the values
+    per channel they were seen on (:class:`~.smoothing.DenseInput`)."""
+
+    min: list[Number | None]
+    max: list[Number | None]
+    mean_square: Number
+    samples: int
+
+
 class QParamsDocument(Record):
     """Quantization parameters by profileID (``rangeprof calibrate``, ``import-qparams``). A
     file (:meth:`from_json` of a path) is checked against the schema first."""
 
-    schema_version: Literal["1.0", "1.1", "1.2", "1.3"]
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3", "1.4"]
     model: ModelInfo
     options: CalibrationRecord
     qparams: list[QParamsRecord]
+    dense_inputs: dict[str, DenseInputRecord] | None = None
 
     @classmethod
     def read(cls, path: Path) -> dict:

@@ -104,6 +104,25 @@ class DenseInput:
         lo, hi = (np.array(channels[k], dtype=np.float64) for k in ("min", "max"))
         return cls(lo, hi, mean_square, max(stats.count // len(lo), 1))
 
+    def to_json(self) -> dict:
+        """What a QPARAMS document keeps of it (``dense_inputs``), so that a build from the
+        document alone smooths as a build from the profile does."""
+
+        def values(a: np.ndarray) -> list[float | None]:
+            return [None if np.isnan(v) else float(v) for v in a]
+
+        return {
+            "min": values(self.lo),
+            "max": values(self.hi),
+            "mean_square": self.mean_square,
+            "samples": self.samples,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> DenseInput:
+        lo, hi = (np.array(doc[k], dtype=np.float64) for k in ("min", "max"))  # None: NaN
+        return cls(lo, hi, float(doc["mean_square"]), int(doc["samples"]))
+
     @property
     def absmax(self) -> np.ndarray:
         """``max|X_j|`` per channel (0 for a channel without finite values)."""
@@ -225,24 +244,31 @@ class SmoothingPlan:
         return {k: c.range for k, c in self.choices.items() if c.smoothed}
 
 
+def dense_input_stats(profile: dict) -> dict[str, DenseInput]:
+    """The :class:`DenseInput` of every activation of a profile document with per-channel
+    ranges along its last axis (what dense layers sum over), by profileID."""
+    found = {}
+    for entry in profile["tensors"]:
+        x = None if entry.get("static") else DenseInput.from_entry(entry)
+        if x is not None:
+            found[entry["profile_id"]] = x
+    return found
+
+
 def plan_smoothing(
-    profile: dict,
+    stats: Mapping[str, DenseInput],
     dense_inputs: Mapping[str, Sequence[np.ndarray]],
     grid: Grid,
     alphas: Sequence[float] = ALPHAS,
 ) -> SmoothingPlan:
-    """A :class:`SmoothingPlan` for a profile: ``dense_inputs`` maps the profileID of each
-    tensor dense layers read to their weights (``[K, N]`` each: ``smooth_quant.dense_inputs``
-    finds them in the IR)."""
-    entries = {t["profile_id"]: t for t in profile["tensors"]}
+    """A :class:`SmoothingPlan` from stored statistics (:func:`dense_input_stats`):
+    ``dense_inputs`` maps the profileID of each tensor dense layers read to their weights
+    (``[K, N]`` each: ``smooth_quant.dense_inputs`` finds them in the IR)."""
     plan = SmoothingPlan()
     for profile_id, weights in dense_inputs.items():
-        entry = entries.get(profile_id)
-        x = DenseInput.from_entry(entry) if entry is not None else None
-        if entry is not None and entry["static"]:
-            plan.skipped[profile_id] = "a constant: folded into its readers before quantization"
-        elif x is None:
-            plan.skipped[profile_id] = "no per-channel ranges along its last axis in the profile"
+        x = stats.get(profile_id)
+        if x is None:
+            plan.skipped[profile_id] = "no per-channel ranges along its last axis in the statistics"
         elif any(np.shape(w)[0] != len(x.lo) for w in weights):
             plan.skipped[profile_id] = f"{len(x.lo)} channels, not its weights' rows"
         else:

@@ -153,6 +153,19 @@ class QuantizeOptions(Options):
         "choice (x86 on AVX2 without VNNI: 7 for each layer whose error budget allows it, "
         "from the profile's statistics; else 8).",
     )
+    smooth_quant: bool | None = Field(
+        None,
+        description="SmoothQuant: move each dense layer input's outlier channels into its "
+        "weights where the stored statistics say the INT8 error drops (no data run). Default: "
+        "the target's choice (x86, aarch64: on; npu: off).",
+    )
+    smooth_alpha: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="SmoothQuant's migration strength for every input (default: each input's "
+        "own, the one of the smallest estimated error).",
+    )
     fp32_fallback: bool = Field(
         False, description="Regions whose tensors have no qparams stay FP32 (else an error)."
     )

@@ -146,6 +146,8 @@ def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin, profi
         request.fp32_fallback,
         request.exclude,
         profile_moments(profile) if profile is not None else None,
+        request.smooth_quant,
+        request.smooth_alpha,
     )
     return _ends_fp32(request, qm)
 
