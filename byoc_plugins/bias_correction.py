@@ -135,10 +135,15 @@ def derive(qm: QuantizedModel, profile: dict) -> tuple[dict[str, np.ndarray], di
     corrections: dict[str, np.ndarray] = {}
     skipped: dict[str, str] = {}
     for region in _weighted(qm):
-        means, why = _input_means(region, entries.get(region.input.profile_id))
+        # A smoothed input's means are its source tensor's, divided by the smoothing scales.
+        pid = region.input.profile_id
+        source = qm.smoothing.source(pid) if qm.smoothing is not None else None
+        means, why = _input_means(region, entries.get(source[0] if source else pid))
         if means is None:
             skipped[region.name] = why
             continue
+        if source is not None:
+            means = means / source[1]
         corrections[region.output_id] = -_expected_shift(region, qm.plugin.policy, means)
     return corrections, skipped
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import tvm
 
 from rangeprof.profiler.calibrate.methods import CalibrationOptions, range_qparams
@@ -72,6 +73,14 @@ class Smoothing:
             if q["profile_id"] in smoothed:
                 smoothed[q["profile_id"]]["source_tensor"] = q["source_tensor"]
         return {**document, "qparams": kept + list(smoothed.values())}
+
+    def source(self, tensor_id: str) -> tuple[str, np.ndarray] | None:
+        """For a tensor holding smoothed values, the profileID of the tensor it smooths and the
+        scales it is divided by (None: not smoothed)."""
+        for profile_id, site in self.sites.items():
+            if tensor_id in site.tensor_ids:
+                return profile_id, self.plan.choices[profile_id].scales
+        return None
 
     def layers(self, layers: list[LayerRecord]) -> list[LayerRecord]:
         """``layers`` with a record for each inserted multiply, right after its tensor's (the

@@ -116,3 +116,12 @@ def test_forcing_it_without_statistics_is_one_line(model, profile):
     with pytest.raises(rangeprof.RangeprofError, match=r"^--smooth-quant: the qparams hold no"):
         rangeprof.build(model, rangeprof.QParams(document), smooth_quant=True)
     assert rangeprof.build(model, rangeprof.QParams(document)).manifest.smoothing is None
+
+
+def test_stored_bias_correction_reads_the_smoothed_means(model):
+    """A smoothed input's per-channel means are its source's divided by the scales: every
+    region reading a smoothed tensor is corrected, none skipped for want of means."""
+    profile = rangeprof.profile(model, _inputs(1, 32), channel_stats=True)
+    int8 = rangeprof.build(model, profile, method="max", bias_correction="stored")
+    assert {"ln1", "relu"} <= set(int8.manifest.smoothing["smoothed"])
+    assert "skipped" not in int8.manifest.bias_correction
