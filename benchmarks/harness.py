@@ -7,10 +7,12 @@ fetched into its cache) or a path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +26,16 @@ MODELS = REPO.parent / "shared" / "models"
 SHARED_SHAPES = {"ppocr_cls": {"x": (1, 3, 48, 192)}}
 
 import rangeprof  # noqa: E402, F401, I001  (before onnxruntime.quantization: tests/conftest.py)
+import onnxruntime as ort  # noqa: E402
+import tvm  # noqa: E402
 from onnxruntime import quantization as ortq  # noqa: E402
+from tvm import relax  # noqa: E402
+
+from rangeprof.profiler.compile.cache import cache_root  # noqa: E402
+from rangeprof.profiler.compile.schedules import build, host_target  # noqa: E402
+from rangeprof.profiler.compile.threads import AdaptiveThreads, use_threads  # noqa: E402
+from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
+from rangeprof.profiler.ir.onnx_load import load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ort_prepare import prepared_for_quantization  # noqa: E402
@@ -142,3 +153,59 @@ def host() -> dict:
         "isa": [name for name in _ISA if name in flags],
         "target": json.loads(str(host_target())),
     }
+
+
+def sources_digest() -> str:
+    """A digest of our package's sources: a cached build is stale once they change."""
+    digest = hashlib.sha256()
+    for folder in ("profiler", "byoc_plugins", "rangeprof"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix in (".py", ".cc", ".h") and "__pycache__" not in path.parts:
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_folder(kind: str, path: Path, shapes: dict) -> Path:
+    """The folder of one cached build (empty: not built yet)."""
+    parts = {
+        "kind": kind,
+        "model": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "shapes": {k: list(v) for k, v in sorted(shapes.items())},
+        "target": str(host_target()),
+        "tvm": tvm.__version__,
+        "sources": sources_digest(),
+    }
+    root = cache_root() or Path(tempfile.mkdtemp(prefix="perf-suite-"))
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+    folder = root / "perf-suite" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def fp32_library(path: Path, shapes: dict) -> tuple[Path, float | None]:
+    """Our FP32 build of ``path`` as a library, and its build seconds (None: cached)."""
+    library = cache_folder("fp32", path, shapes) / "fp32.so"
+    if library.exists():
+        return library, None
+    start = time.perf_counter()
+    executable = build(import_onnx(load_model(path, shapes)).mod)
+    partial = library.with_suffix(f".{os.getpid()}.partial.so")
+    executable.export_library(str(partial))
+    os.replace(partial, library)
+    return library, time.perf_counter() - start
+
+
+def ort_session(path: Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def our_call(library: Path, args: list, threads: int):
+    """A call of our library's ``main`` at ``threads``: more than one is our runtime's choice
+    between that count and one (:class:`AdaptiveThreads`), one is pinned."""
+    main = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())["main"]
+    if threads > 1:
+        adaptive = AdaptiveThreads(main, threads)
+        return lambda: adaptive(*args), adaptive
+    return lambda: (use_threads(1), main(*args)), None

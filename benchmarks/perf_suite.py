@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -40,60 +39,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import onnxruntime as ort
 import tvm
-from tvm import relax
 
 from benchmarks import harness
-from rangeprof.profiler.compile.cache import cache_root
-from rangeprof.profiler.compile.schedules import build, host_target
-from rangeprof.profiler.compile.threads import AdaptiveThreads, use_threads
-from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model
 from rangeprof.profiler.profiling.data import model_inputs, open_data, sample_batch
 
 SHARED = ("resnet18", "mobilenet_v2", "tiny_bert", "digits_cnn", "ppocr_cls", "char_gpt")
 KINDS = ("ours_fp32", "ours_int8", "ort_fp32", "ort_int8")
-
-
-def _sources() -> str:
-    """A digest of our package's sources: a cached build is stale once they change."""
-    digest = hashlib.sha256()
-    for folder in ("profiler", "byoc_plugins", "rangeprof"):
-        for path in sorted((harness.REPO / folder).rglob("*")):
-            if path.suffix in (".py", ".cc", ".h") and "__pycache__" not in path.parts:
-                digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _cache_folder(kind: str, path: Path, shapes: dict) -> Path:
-    """The folder of one cached build (empty: not built yet)."""
-    parts = {
-        "kind": kind,
-        "model": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "shapes": {k: list(v) for k, v in sorted(shapes.items())},
-        "target": str(host_target()),
-        "tvm": tvm.__version__,
-        "sources": _sources(),
-    }
-    root = cache_root() or Path(tempfile.mkdtemp(prefix="perf-suite-"))
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
-    folder = root / "perf-suite" / key
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-def _fp32_library(path: Path, shapes: dict) -> tuple[Path, float | None]:
-    """Our FP32 build of ``path`` as a library, and its build seconds (None: cached)."""
-    library = _cache_folder("fp32", path, shapes) / "fp32.so"
-    if library.exists():
-        return library, None
-    start = time.perf_counter()
-    executable = build(import_onnx(load_model(path, shapes)).mod)
-    partial = library.with_suffix(f".{os.getpid()}.partial.so")
-    executable.export_library(str(partial))
-    os.replace(partial, library)
-    return library, time.perf_counter() - start
 
 
 def _cli(*args: str) -> None:
@@ -107,7 +60,7 @@ def _cli(*args: str) -> None:
 def _int8_library(path: Path, name: str, shapes: dict, samples: int) -> tuple[Path, float | None]:
     """Our INT8 build of ``path`` (the CLI's profile on ``samples`` random samples, then its
     build with the x86 defaults) and its seconds (None: cached); returns the library."""
-    folder = _cache_folder(f"int8-{samples}", path, shapes)
+    folder = harness.cache_folder(f"int8-{samples}", path, shapes)
     manifest = folder / "manifest.json"
     if manifest.exists():
         return folder / json.loads(manifest.read_text())["library"], None
@@ -140,22 +93,6 @@ def _data(path: Path, name: str, shapes: dict, samples: int) -> tuple[list[dict]
     return batches[:-1], batches[-1], count
 
 
-def _session(path: Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def _ours(library: Path, args: list, threads: int):
-    """A call of our library's ``main`` at ``threads``: more than one is our runtime's choice
-    between that count and one (:class:`AdaptiveThreads`), one is pinned."""
-    main = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())["main"]
-    if threads > 1:
-        adaptive = AdaptiveThreads(main, threads)
-        return lambda: adaptive(*args), adaptive
-    return lambda: (use_threads(1), main(*args)), None
-
-
 def _contenders(prepared: dict, probe: dict, threads: list[int]) -> tuple[dict, dict]:
     """Every contender's call by ``kind@threads``, and our adaptive ones (their final choice
     goes in the report)."""
@@ -166,11 +103,11 @@ def _contenders(prepared: dict, probe: dict, threads: list[int]) -> tuple[dict, 
         for t in threads:
             label = f"{kind}@{t}"
             if kind.startswith("ort"):
-                session = _session(prepared[kind], t)
+                session = harness.ort_session(prepared[kind], t)
                 fns[label] = lambda s=session: s.run(None, probe)
             else:
                 arrays = [np.asarray(probe[n], order="C") for n in prepared["names"]]
-                fns[label], chooser = _ours(
+                fns[label], chooser = harness.our_call(
                     prepared[kind], [tvm.runtime.tensor(a) for a in arrays], t
                 )
                 if chooser is not None:
@@ -200,7 +137,7 @@ def _prepare(name: str, samples: int) -> tuple[dict, dict, dict]:
     calibration, probe, count = _data(path, name, shapes, samples)
     prepared: dict = {"names": list(probe), "ort_fp32": path}
     errors, build_s = {}, {}
-    prepared["ours_fp32"], build_s["fp32"] = _fp32_library(path, shapes)
+    prepared["ours_fp32"], build_s["fp32"] = harness.fp32_library(path, shapes)
     try:
         prepared["ours_int8"], build_s["int8"] = _int8_library(path, name, shapes, count)
     except RuntimeError as err:
