@@ -173,6 +173,7 @@ def create_build(
                 body.labels,
                 body.labels_key,
                 body.samples,
+                tokens=body.metric == "bpc",
             )
             estimate.refuse_over_time(uploaded.samples, service.limits.max_job_seconds)
         options = body.model_dump(include=set(QuantizeOptions.model_fields))

@@ -129,6 +129,7 @@ def create_evaluation(
             form.labels,
             form.labels_key,
             form.samples,
+            tokens=form.metric == "bpc",
         )
         estimate.refuse_over_time(uploaded.samples, service.limits.max_job_seconds)
         request = job_request(

@@ -159,10 +159,13 @@ def _npz_headers(path: Path, name: str) -> dict[str, tuple[tuple[int, ...], np.d
     return arrays
 
 
-def check_labels(path: Path, name: str, key: str | None, samples: int, limit: int) -> str:
-    """Check that the .npz at ``path`` (uploaded as ``name``) holds 1-D integer labels for
+def check_labels(
+    path: Path, name: str, key: str | None, samples: int, limit: int, tokens: bool = False
+) -> str:
+    """Check that the .npz at ``path`` (uploaded as ``name``) holds integer labels for
     ``samples`` samples, and no more than ``limit`` (this server's samples per job), in array
-    ``key`` (default: its only array), by the arrays' headers; return the key."""
+    ``key`` (default: its only array), by the arrays' headers: 1-D (a class a sample), or with
+    ``tokens`` of any shape (a next token a position); return the key."""
     arrays = _npz_headers(path, name)
     if key is None and len(arrays) != 1:
         raise UploadError(
@@ -173,8 +176,9 @@ def check_labels(path: Path, name: str, key: str | None, samples: int, limit: in
     if key not in arrays:
         raise UploadError(f"{name}: no array {key!r} (has {', '.join(arrays)})")
     shape, dtype = arrays[key]
-    if len(shape) != 1 or dtype.kind not in "iu":
-        raise UploadError(f"{name}:{key}: labels must be a 1-D integer array")
+    if dtype.kind not in "iu" or (len(shape) != 1 and not (tokens and shape)):
+        kind = "an integer array" if tokens else "a 1-D integer array"
+        raise UploadError(f"{name}:{key}: labels must be {kind}")
     if shape[0] < samples:
         raise UploadError(f"{name}:{key}: {shape[0]} labels for {samples} samples")
     if shape[0] > limit:
@@ -207,10 +211,11 @@ def stage_evaluation_data(
     labels: UploadFile | None,
     labels_key: str | None,
     samples: int | None,
+    tokens: bool = False,
 ) -> EvaluationData:
     """Copy ``data`` (and ``labels``) into the scratch ``folder`` and check them: the data
     against the model's ``inputs``, the labels (in ``labels``, or without it an array
-    ``labels_key`` of ``data``) 1-D integers, one per sample."""
+    ``labels_key`` of ``data``) integers, one per sample (``tokens``: of any shape)."""
     limit = limits.max_data_bytes
     data_name = file_stem(data.filename, ".npz") + ".npz"
     data_sha = copy_file(data.file, folder / data_name, "the data file", limit)
@@ -226,12 +231,12 @@ def stage_evaluation_data(
         path.parent.mkdir()
         labels_sha = copy_file(labels.file, path, "the labels file", limit)
         check_unpacked(path, "the labels file", limits.max_unpacked_bytes)
-        labels_key = check_labels(path, uploaded, labels_key, count, limits.max_samples)
+        labels_key = check_labels(path, uploaded, labels_key, count, limits.max_samples, tokens)
         staged.setdefault(labels_sha, path)
         labels_name = _labels_name(uploaded, labels_sha, data_name, data_sha)
     elif labels_key is not None:
         labels_key = check_labels(
-            folder / data_name, data_name, labels_key, count, limits.max_samples
+            folder / data_name, data_name, labels_key, count, limits.max_samples, tokens
         )
         labels_name, labels_sha = data_name, data_sha
     else:

@@ -36,7 +36,7 @@ from rangeprof.profiler.compile.threads import vm_function
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.data import model_inputs, open_arrays, open_data
 
-from .lowering import FP32, INT8, INT16, SHADOW
+from .lowering import FP32, INT8, INT16, SHADOW, default_mode
 from .quantized import QuantizedModel
 
 Progress = Callable[[str, int, int], None]
@@ -115,8 +115,10 @@ class Evaluation:
     weight_bits: int | None  # the policy's: None, chosen per layer
     kept_fp32: list[str] = field(default_factory=list)  # profileIDs of regions kept in FP32
     kept_int16: list[str] = field(default_factory=list)  # ... run on int16 activations
+    kept_int8: list[str] = field(default_factory=list)  # 4-bit layers raised to 8 bits
     fp32_metric: float | None = None  # the caller's metric, when given
     int8_metric: float | None = None
+    relative: bool = False  # the metric's drop in % of FP32's (a loss such as bpc)
 
     @property
     def agreement(self) -> float:
@@ -135,10 +137,17 @@ class Evaluation:
         """The metric's points lost (with one), else top-1's (with labels), else the
         disagreement in points."""
         if self.int8_metric is not None:
-            return self.fp32_metric - self.int8_metric
+            drop = self.fp32_metric - self.int8_metric
+            return 100.0 * drop / abs(self.fp32_metric) if self.relative else drop
         if self.fp32_correct is None:
             return 100.0 - self.agreement
         return self.fp32_top1 - self.int8_top1
+
+    @property
+    def plan(self) -> list[str]:
+        """The widened layers as ``layer_modes`` entries (``PROFILEID=MODE``)."""
+        kept = ((FP32, self.kept_fp32), (INT16, self.kept_int16), (INT8, self.kept_int8))
+        return [f"{pid}={mode}" for mode, ids in kept for pid in ids]
 
     def ranked(self) -> list[LayerError]:
         """Worst isolated SQNR first (the sensitivity ranking)."""
@@ -153,6 +162,8 @@ class Evaluation:
             "layers": [e.to_json() for e in self.ranked()],
             "kept_fp32": self.kept_fp32,
             "kept_int16": self.kept_int16,
+            **({"kept_int8": self.kept_int8} if self.kept_int8 else {}),
+            "plan": self.plan,
         }
         if self.fp32_correct is not None:
             doc["fp32_top1"] = round(self.fp32_top1, 3)
@@ -237,9 +248,11 @@ def evaluate(
     compiled: dict | None = None,
     kept_int16: frozenset[str] = frozenset(),
     metric: Metric | None = None,
+    kept_int8: frozenset[str] = frozenset(),
 ) -> Evaluation:
     """FP32 vs INT8 on ``data`` (:func:`model_data`'s); regions whose output profileID is in
-    ``kept_fp32`` stay FP32, those in ``kept_int16`` run on int16 activations. ``compiled``
+    ``kept_fp32`` stay FP32, those in ``kept_int16`` run on int16 activations, 4-bit ones in
+    ``kept_int8`` on 8 bits. ``compiled``
     caches programs across calls: the FP32 and shadow programs do not depend on ``kept_fp32``,
     and the FP32 one not on the qparams either
     (:meth:`~rangeprof.byoc.quantized.QuantizedModel.replanned` models share it). Top-1 is
@@ -250,7 +263,7 @@ def evaluate(
         raise RangeprofError(f"{len(labels)} labels for {source.num_samples} samples")
     top1 = labels is not None and labels.ndim == 1 and labels.dtype.kind in "iu"
     quantizable = [r for r in qm.regions if r.fallback is None]
-    modes = {r.name: region_mode(r, kept_fp32, kept_int16) for r in quantizable}
+    modes = {r.name: region_mode(r, kept_fp32, kept_int16, kept_int8) for r in quantizable}
     programs = _programs(qm, modes, {} if compiled is None else compiled, progress)
     layers = [
         LayerError(
@@ -285,6 +298,8 @@ def evaluate(
         weight_bits=qm.plugin.policy.weight_bits,
         kept_fp32=sorted(kept_fp32),
         kept_int16=sorted(kept_int16 - kept_fp32),
+        kept_int8=sorted(kept_int8 - kept_fp32 - kept_int16),
+        relative=getattr(metric, "relative", False),
         **scores,
     )
 
@@ -350,11 +365,19 @@ class _Tally:
         self.seen += len(ref)
 
 
-def region_mode(region, kept_fp32: frozenset[str], kept_int16: frozenset[str]) -> str:
-    """The mode of a region given the profileIDs kept in FP32 and on int16 (FP32 wins)."""
+def region_mode(
+    region,
+    kept_fp32: frozenset[str],
+    kept_int16: frozenset[str],
+    kept_int8: frozenset[str] = frozenset(),
+) -> str:
+    """The mode of a region given the profileIDs kept in FP32, on int16 and (4-bit ones) on
+    8 bits (the widest wins)."""
     if region.fallback or region.output_id in kept_fp32:
         return FP32
-    return INT16 if region.output_id in kept_int16 else INT8
+    if region.output_id in kept_int16:
+        return INT16
+    return INT8 if region.output_id in kept_int8 else default_mode(region)
 
 
 def fit_budget(
@@ -366,37 +389,70 @@ def fit_budget(
     progress: Progress | None = None,
     compiled: dict | None = None,
     metric: Metric | None = None,
+    start: Mapping[str, frozenset[str]] | None = None,
 ) -> Evaluation:
     """The evaluation with the fewest regions widened (most sensitive first) whose drop
     (:attr:`Evaluation.drop`: of ``metric`` when given) is within ``budget`` points; all of them
-    FP32 is the last resort. A region is tried on int16
-    activations first where the policy has them, and kept in FP32 instead only if that lowers
-    the drop further: int16 removes rounding error, not the clipping of a badly calibrated
-    range (which FP32 removes)."""
+    FP32 is the last resort. Each region climbs its ladder one rung at a time and the search
+    moves on to the next region once a rung lowers the drop: a 4-bit layer to 8 bits, then
+    int16 activations where the policy has them, then FP32 — int16 removes rounding error, not
+    the clipping of a badly calibrated range (which FP32 removes). ``start``: the profileIDs
+    already widened, by mode (a plan the search goes on from)."""
     compiled = {} if compiled is None else compiled
+    kept = {m: frozenset((start or {}).get(m, ())) for m in (INT8, INT16, FP32)}
     result = evaluate(
-        qm, data, labels, samples, progress=progress, compiled=compiled, metric=metric
-    )
-    wide = qm.plugin.policy.wide_activations is not None
-    weighted = {r.output_id for r in qm.regions if r.float_region.weight is not None}
-    kept: dict[str, frozenset[str]] = {INT16: frozenset(), FP32: frozenset()}
+        qm, data, labels, samples, kept[FP32], progress, compiled, kept[INT16], metric,
+        kept[INT8],
+    )  # fmt: skip
 
     def trial(mode: str, profile_id: str) -> tuple[dict, Evaluation]:
         tried = {m: ids - {profile_id} for m, ids in kept.items()}
         tried[mode] |= {profile_id}
         return tried, evaluate(
-            qm, data, labels, samples, tried[FP32], progress, compiled, tried[INT16], metric
-        )
+            qm, data, labels, samples, tried[FP32], progress, compiled, tried[INT16], metric,
+            tried[INT8],
+        )  # fmt: skip
 
+    ladders = {r.output_id: _ladder(qm, r) for r in qm.regions if r.fallback is None}
     for profile_id in [e.profile_id for e in result.ranked()]:
         if result.drop <= budget:
             break
         previous = result
-        if wide and profile_id in weighted:
-            kept, result = trial(INT16, profile_id)
+        for mode in ladders.get(profile_id, (FP32,)):
+            tried, widened = trial(mode, profile_id)
+            if widened.drop < result.drop or (mode == FP32 and result is previous):
+                kept, result = tried, widened
             if result.drop < previous.drop:
-                continue
-        tried, fp32 = trial(FP32, profile_id)
-        if fp32.drop < result.drop or result is previous:
-            kept, result = tried, fp32
+                break
     return result
+
+
+def _ladder(qm: QuantizedModel, region) -> tuple[str, ...]:
+    """The modes a region is widened to, in order."""
+    weighted = region.float_region.weight is not None
+    wide = qm.plugin.policy.wide_activations is not None and weighted
+    return (INT8,) * (region.int4 is not None) + (INT16,) * wide + (FP32,)
+
+
+@dataclass(frozen=True)
+class BitsPerCharacter:
+    """A language model's bits per character (token): the mean of ``-log2 softmax(logits)``
+    at the labels, over every position; ``logits`` the first output ``[N, ..., V]``, labels
+    the next tokens ``[N, ...]``. A loss: its value is ``-bpc`` (higher is better) and its drop
+    is in % of FP32's (:attr:`relative`)."""
+
+    relative = True
+
+    def __call__(self, outputs: np.ndarray, labels: np.ndarray | None) -> float:
+        if labels is None or labels.dtype.kind not in "iu":
+            raise RangeprofError("metric bpc: the labels must be the next tokens (integers)")
+        if outputs.shape[: labels.ndim] != labels.shape or outputs.ndim != labels.ndim + 1:
+            raise RangeprofError(
+                f"metric bpc: labels {list(labels.shape)} do not index the logits "
+                f"{list(outputs.shape)} (one per position, the vocabulary last)"
+            )
+        logits = outputs.astype(np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        log_z = np.log(np.exp(logits).sum(axis=-1))
+        picked = np.take_along_axis(logits, labels[..., None].astype(np.int64), -1)[..., 0]
+        return -float(np.mean(log_z - picked) / np.log(2.0))

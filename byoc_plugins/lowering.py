@@ -25,7 +25,9 @@ as a function of its own marked ``Codegen`` for an external code generator (npu)
 Modes per region: ``int8``; ``int16`` (where the policy has wide activations: the input
 quantized to its int16 grid and clamped to the levels :func:`~.policy.wide_input` allows, the
 same core on it, the output in FP32 — or requantized to int16 by integer-only targets);
-``fp32`` (the composite's FP32 body inline: a fallback, or the FP32 reference); ``shadow``
+``w4`` (a dense region's weights in 4-bit groups, its activations FP32: the target's
+``dense_w4`` kernel, then the bias and the clamp); ``fp32`` (the composite's FP32 body inline:
+a fallback, or the FP32 reference); ``shadow``
 (FP32 downstream, and the INT8 core computed on the same FP32 input on the side: one build
 measures every layer's *isolated* error). With ``expose``, ``main`` returns ``(outputs, *region
 outputs)`` — the dequantized output of each int8 / int16 / shadow region, the FP32 output of
@@ -35,7 +37,7 @@ profileIDs, so lineage holds through the lowered IR.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tvm
@@ -59,8 +61,20 @@ from .policy import (
 )
 from .regions import Region
 
-INT8, INT16, FP32, SHADOW = "int8", "int16", "fp32", "shadow"
-MODES = (INT8, INT16, FP32, SHADOW)
+INT8, INT16, FP32, SHADOW, W4 = "int8", "int16", "fp32", "shadow", "w4"
+MODES = (INT8, INT16, FP32, SHADOW, W4)
+# Emits a 4-bit dense layer: (bb, data, q, scales, zero_points, group_size, bias) -> its value.
+DenseW4 = Callable[..., relax.Expr]
+
+
+def default_mode(region: Region) -> str:
+    """A region's mode unless told otherwise: FP32 without qparams, 4-bit where its weights
+    are, else INT8."""
+    if region.fallback:
+        return FP32
+    return W4 if region.int4 is not None else INT8
+
+
 _LOWERED = "main__lowered"
 
 
@@ -259,19 +273,20 @@ def _boundary(bb: relax.BlockBuilder, op, data, q: ActivationQ, ids, out_dtype: 
 
 
 class _Lowerer:
-    def __init__(self, mod, regions, modes, policy, external):
+    def __init__(self, mod, regions, modes, policy, external, dense_w4=None):
         self.mod = mod
         self.by_name = {r.name: r for r in regions}
         self.modes = modes
         self.policy = policy
         self.external = external
+        self.dense_w4 = dense_w4
         self.bb = relax.BlockBuilder(mod)
         self.quantized: dict[relax.Var, tuple[relax.Expr, ActivationQ]] = {}
         self.exposed: list[tuple[str, relax.Expr]] = []
         self.integer_outputs = self._integer_outputs()
 
     def _mode(self, region: Region) -> str:
-        return self.modes.get(region.name, FP32 if region.fallback else INT8)
+        return self.modes.get(region.name, default_mode(region))
 
     def _integer_outputs(self) -> set[str]:
         """Regions whose output stays 8-bit: every consumer is a quantized region taking the
@@ -301,6 +316,7 @@ class _Lowerer:
             quantized_users = all(
                 user is not None
                 and self._mode(user) in (INT8, SHADOW)
+                and user.int4 is None  # 4-bit layers read FP32
                 and user.input == region.output
                 for user in users
             )
@@ -348,6 +364,25 @@ class _Lowerer:
         self.bb.emit_normalized(relax.VarBinding(result, out))
         return result
 
+    def _w4(self, region: Region, args, result: relax.Var | None) -> relax.Expr:
+        """The dense region on its 4-bit weights, FP32 in and out (see the module doc)."""
+        fr, w, ids = region.float_region, region.int4, region.profile_ids
+        if w is None or self.dense_w4 is None:
+            raise ValueError(f"{region.name} has no 4-bit weights on this target")
+        zero_points = None if w.symmetric else w.zero_points
+        call = self.dense_w4(self.bb, args[0], w.q, w.scales, zero_points, w.group_size, fr.bias)
+        y = with_ids(self.bb.normalize(call), ids)
+        if fr.clamp is not None:
+            lo, hi = fr.clamp
+            y = relax.op.maximum(self.bb.emit(y), _const(lo, "float32"))
+            if np.isfinite(hi):
+                y = relax.op.minimum(self.bb.emit(with_ids(y, ids)), _const(hi, "float32"))
+            y = with_ids(self.bb.normalize(y), ids)
+        if result is None:
+            return self.bb.emit(y)
+        self.bb.emit_normalized(relax.VarBinding(result, y))
+        return result
+
     def _quantized(self, data, q: ActivationQ, ids) -> relax.Expr:
         """``data`` in ``q``'s integers: the 8-bit output of the region that computed it when
         its qparams are ``q``, else a quantize."""
@@ -389,10 +424,13 @@ class _Lowerer:
             out = self._int8(region, value.args, binding.var)
         elif mode == INT16:
             out = self._int16(region, value.args, binding.var)
+        elif mode == W4:
+            out = self._w4(region, value.args, binding.var)
         else:
             out = _inline(self.bb, func, value.args, region.profile_ids, binding.var)
-            if mode == SHADOW:
-                out = self._int8(region, value.args, None)
+            if mode == SHADOW:  # the region's own quantized form, beside the FP32 one
+                side = self._w4 if region.int4 is not None else self._int8
+                out = side(region, value.args, None)
         self.exposed.append((region.output_id or region.name, out))
 
     def lower(self, expose: bool) -> tuple[tvm.IRModule, list[str]]:
@@ -425,6 +463,7 @@ def lower(
     modes: dict[str, str] | None = None,
     expose: bool = False,
     external: str | None = None,
+    dense_w4: DenseW4 | None = None,
 ) -> tuple[tvm.IRModule, list[str]]:
     """``mod`` (partitioned, :func:`~rangeprof.byoc.regions.partition`) with each region lowered
     by its mode (default ``int8``, ``fp32`` for regions without qparams); returns the module and
@@ -432,4 +471,4 @@ def lower(
     for name, mode in (modes or {}).items():
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} for {name}")
-    return _Lowerer(mod, regions, modes or {}, policy, external).lower(expose)
+    return _Lowerer(mod, regions, modes or {}, policy, external, dense_w4).lower(expose)

@@ -42,8 +42,11 @@ class WeightRecord(_Open):
     axis: int | None
     scale: list[Number]
     bits: int | None = Field(
-        None, description="7 (within ±63) or 8 (±127); absent: FP32, or a manifest made before."
+        None,
+        description="7 (within ±63) or 8 (±127), or 4 (int4 groups: scale holds each column's "
+        "largest group step); absent: FP32, or a manifest made before.",
     )
+    group_size: int | None = Field(None, description="4-bit weights: rows per group.")
 
 
 class RegionRecord(_Open):
@@ -61,7 +64,7 @@ class RegionRecord(_Open):
     operand: ActivationRecord | None = None
     fallback: str | None
     weight: WeightRecord | None = None
-    mode: Literal["int8", "int16", "fp32"]
+    mode: Literal["int8", "int16", "fp32", "w4"]
     target: dict[str, Any] | None = None
 
 
@@ -78,9 +81,20 @@ class Manifest(_Open):
     # SmoothQuant: each smoothed input's strength, fold and estimated error ratio; and why the
     # other dense inputs were left (``rangeprof.byoc.smoothing.Smoothing.to_json``).
     smoothing: dict[str, Any] | None = None
+    # 4-bit weight-only dense layers: bits, group size and scheme (``WeightOnly.to_json``)
+    weight_only: dict[str, Any] | None = None
     regions: list[RegionRecord]
     library: str
     library_sha256: str
+    exports: dict[str, str] | None = Field(
+        None,
+        description="A 4-bit weight-only build's ONNX files beside the library, by format "
+        "(matmulnbits, int4_qdq): its 4-bit dense layers on the same codes, the rest FP32.",
+    )
+    exports_fp32: dict[str, str] | None = Field(
+        None, description="4-bit regions the ONNX exports keep FP32, by region name: why."
+    )
     kept_fp32: list[str]
     kept_int16: list[str] = Field(default_factory=list)
+    kept_int8: list[str] = Field(default_factory=list, description="4-bit layers run on 8 bits.")
     timings: dict[str, Number]

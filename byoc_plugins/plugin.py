@@ -45,6 +45,8 @@ class Plugin:
     runs_here: bool = True  # False: cross-compiled (run elsewhere, or under an emulator)
     # What the plugin was configured with when obtained (npu: its buffer size), for the manifest
     options: dict = field(default_factory=dict)
+    # Emits a dense layer on 4-bit weights (:data:`~.lowering.DenseW4`); None: no such kernel
+    dense_w4: Callable | None = None
 
 
 def get_plugin(name: str, weight_bits: int | None = None) -> Plugin:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import tvm
 
 from rangeprof.profiler.calibrate.methods import calibrate
@@ -24,11 +25,13 @@ from rangeprof.profiler.ir.onnx_load import load_model
 from rangeprof.profiler.ir.passes.equalize import NAME as EQUALIZATION
 from rangeprof.profiler.ir.stages import canonicalized, partition
 
-from .lowering import FP32, INT8, INT16, lower
+from .lowering import FP32, INT16, W4, default_mode, lower
+from .patterns import MATMUL
 from .plugin import Plugin
 from .policy import layer_weight_bits, quantize_weights
 from .regions import Region, plan_regions
-from .smoothing import Smoothing, smooth
+from .smoothing import Smoothing, dense_stats, smooth
+from .weight_only import WeightOnly
 
 if TYPE_CHECKING:
     from rangeprof.profiler.profiling.records import ProfileDocument
@@ -45,13 +48,16 @@ class QuantizedModel:
     qparams: dict  # the QPARAMS document used
     bias_correction: dict | None = None  # how the biases were corrected (.bias_correction)
     moments: Moments | None = None  # the profile's, for weight bits chosen per layer
-    smoothing: Smoothing | None = None  # the dense inputs SmoothQuant smoothed
+    smoothing: Smoothing | None = None  # the dense inputs SmoothQuant (or AWQ) scaled
+    weight_only: WeightOnly | None = None  # dense layers' weights in 4 bits
 
     def lower(self, modes: dict[str, str] | None = None, expose: bool = False):
         """The lowered module and the profileIDs of its exposed outputs (:func:`lower`)."""
+        plugin = self.plugin
         return lower(
-            self.partitioned, self.regions, self.plugin.policy, modes, expose, self.plugin.external
-        )
+            self.partitioned, self.regions, plugin.policy, modes, expose, plugin.external,
+            plugin.dense_w4,
+        )  # fmt: skip
 
     def replanned(
         self, qparams: dict, fp32_fallback: bool = False, exclude: tuple[str, ...] = ()
@@ -74,16 +80,22 @@ class QuantizedModel:
         regions = plan_regions(
             self.partitioned, layers, by_id, fp32_fallback, float_outputs, exclude
         )
-        regions = [self._with_weight_bits(r) for r in regions]
+        stats = dense_stats(qparams) if self.weight_only is not None else {}
+        regions = [self._with_weight_bits(r, stats) for r in regions]
         return replace(self, regions=regions, qparams=qparams, bias_correction=None)
 
-    def _with_weight_bits(self, region: Region) -> Region:
+    def _with_weight_bits(self, region: Region, stats: dict) -> Region:
         """``region`` with its weights' bits where the policy chooses them per layer
         (:func:`~.policy.layer_weight_bits`, from the profile's moments of its input). Only
         dense convs and matmuls run faster on 7-bit weights (a dot product over input
-        channels); depthwise and grouped convs keep 8."""
+        channels); depthwise and grouped convs keep 8. With ``weight_only``, every dense
+        layer's weights are 4-bit (``stats``: the document's dense inputs)."""
         fr = region.float_region
-        if self.plugin.policy.weight_bits is not None or fr.weight is None or region.fallback:
+        if fr.weight is None or region.fallback:
+            return region
+        if self.weight_only is not None and fr.kind == MATMUL:
+            return replace(region, weight_bits=4, int4=self._int4(region, stats))
+        if self.plugin.policy.weight_bits is not None:
             return region
         bits = 8
         if fr.attrs.get("groups", 1) == 1:
@@ -94,18 +106,28 @@ class QuantizedModel:
             )  # fmt: skip
         return replace(region, weight_bits=bits)
 
+    def _int4(self, region: Region, stats: dict):
+        """The region's weights in 4 bits, clipped by its input's stored statistics (its
+        source's, divided by the scales, where the input was scaled)."""
+        pid = region.input.profile_id
+        source = self.smoothing.source(pid) if self.smoothing is not None else None
+        x, scales = (stats.get(source[0]), source[1]) if source else (stats.get(pid), None)
+        return self.weight_only.quantize(region.float_region.weight, x, scales)
+
     def weight_bits(self, region: Region, mode: str) -> int | None:
         """The bits of ``region``'s weights in ``mode`` (None: FP32, or no constant weights);
         int16 activations (the most sensitive layers) take 8 where the policy chooses."""
         if region.float_region.weight is None or mode == FP32:
             return None
+        if mode == W4:
+            return 4
         bits = 8 if mode == INT16 else region.weight_bits
         return self.plugin.policy.for_layer(bits).weight_bits
 
     def manifest(self, modes: dict[str, str] | None = None) -> dict:
         """The manifest's model, target, policy and regions, the regions in ``modes`` (by name;
         default int8, FP32 for those without qparams)."""
-        modes = {r.name: FP32 if r.fallback else INT8 for r in self.regions} | (modes or {})
+        modes = {r.name: default_mode(r) for r in self.regions} | (modes or {})
         loaded = self.imported.loaded
         return {
             "model": {"name": loaded.name, "sha256": loaded.sha256},
@@ -115,6 +137,7 @@ class QuantizedModel:
             "calibration": self.qparams.get("options"),
             **({"bias_correction": self.bias_correction} if self.bias_correction else {}),
             **({"smoothing": self.smoothing.to_json()} if self.smoothing else {}),
+            **({"weight_only": self.weight_only.to_json()} if self.weight_only else {}),
             "regions": [self._region_json(r, modes[r.name]) for r in self.regions],
         }
 
@@ -123,8 +146,14 @@ class QuantizedModel:
         fr = region.float_region
         if fr.weight is None:
             return doc
-        x_scale = region.input.scale if region.input is not None else None
         bits = self.weight_bits(region, mode)
+        if bits == 4:
+            w = region.int4  # each column's largest group step stands for its scales
+            scale = np.abs(w.scales).max(axis=0).tolist()
+            doc["weight"] = {"dtype": "int4", "axis": 1, "scale": scale, "bits": 4}
+            doc["weight"]["group_size"] = w.group_size
+            return doc
+        x_scale = region.input.scale if region.input is not None else None
         policy = self.plugin.policy.for_layer(bits)
         _, scales = quantize_weights(fr.weight, fr.channel_axis, policy, fr.bias, x_scale)
         doc["weight"] = {"dtype": "int8", "axis": fr.channel_axis, "scale": scales.tolist()}
@@ -169,22 +198,28 @@ def quantize_model(
     moments: Moments | None = None,
     smooth_quant: bool | None = None,
     smooth_alpha: float | None = None,
+    weight_only: WeightOnly | None = None,
 ) -> QuantizedModel:
     """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``;
     ``moments`` (:func:`profile_moments` of the qparams' profile) let a policy that chooses
     weight bits per layer narrow them (without: 8 bits). Dense layers' inputs are smoothed
     (:func:`~.smoothing.smooth`: ``smooth_quant`` None as the target's policy says, with
-    ``smooth_alpha`` or each input's best strength) from the document's statistics.
+    ``smooth_alpha`` or each input's best strength) from the document's statistics;
+    ``weight_only``: dense layers' weights in 4 bits, their inputs scaled as AWQ instead.
 
     A QDQ model is built as the FP32 model beneath its pairs (the plugin quantizes it itself;
     ``rangeprof import-qparams`` gives its pairs' scales as ``qparams``)."""
     imported = import_onnx(load_model(path, input_shapes, dequantize=True))
     equalize = EQUALIZATION in qparams["model"].get("transforms", [])
+    if weight_only is not None and plugin.dense_w4 is None:
+        raise RangeprofError(f"--weight-bits 4: target {plugin.name} has no 4-bit dense kernel")
     canonical, smoothing = smooth(
-        canonicalized(imported.mod, equalize), qparams, plugin.policy, smooth_quant, smooth_alpha
-    )
+        canonicalized(imported.mod, equalize), qparams, plugin.policy, smooth_quant,
+        smooth_alpha, weight_only,
+    )  # fmt: skip
     partitioned = partition(canonical, plugin.patterns())
     unplanned = QuantizedModel(
-        imported, plugin, partitioned, [], qparams, moments=moments, smoothing=smoothing
-    )
+        imported, plugin, partitioned, [], qparams, moments=moments, smoothing=smoothing,
+        weight_only=weight_only,
+    )  # fmt: skip
     return unplanned.replanned(qparams, fp32_fallback, exclude)

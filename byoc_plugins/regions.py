@@ -30,6 +30,7 @@ from fnmatch import fnmatchcase
 import tvm
 from tvm import relax
 
+from rangeprof.profiler.calibrate.weight_only import Int4Weights
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.ir.lineage import function_lineage
 from rangeprof.profiler.ir.spans import ids_of
@@ -54,6 +55,7 @@ class Region:
     operand: ActivationQ | None = None  # a batch_matmul's second (activation) operand
     # Its weights' bits where the policy chooses them per layer (set by the quantized model)
     weight_bits: int | None = None
+    int4: Int4Weights | None = None  # its weights in 4 bits, activations FP32 (weight-only)
 
     def to_json(self) -> dict:
         return {

@@ -68,6 +68,14 @@ class EvaluationReport(_Open):
     kept_int16: list[str] = Field(
         default_factory=list, description="Absent in reports made before: none."
     )
+    kept_int8: list[str] = Field(
+        default_factory=list, description="4-bit layers an accuracy budget raised to 8 bits."
+    )
+    plan: list[str] = Field(
+        default_factory=list,
+        description="The layers' modes the budget chose, as `layer_modes` entries "
+        "(PROFILEID=MODE) a build takes.",
+    )
     fp32_top1: float | None = None
     int8_top1: float | None = None
     fp32_metric: float | None = None

@@ -31,6 +31,9 @@ from rangeprof.profiler.ir.passes.smooth_quant import SMOOTHED, Site, dense_inpu
 from rangeprof.profiler.ir.tagging import LayerRecord
 
 from .policy import QuantPolicy
+from .weight_only import WeightOnly, plan_awq
+
+SMOOTH_QUANT, AWQ = "smooth_quant", "awq"
 
 
 def target_grid(policy: QuantPolicy) -> Grid:
@@ -44,6 +47,7 @@ class Smoothing:
 
     plan: SmoothingPlan
     sites: dict[str, Site]
+    method: str = SMOOTH_QUANT  # or AWQ: the scales chosen by the 4-bit weights' error
 
     def qparams(self, document: dict) -> dict:
         """``document`` with every smoothed tensor's qparams from its smoothed range (max, on
@@ -66,7 +70,7 @@ class Smoothing:
                     "kind": "activation",
                     "dtype": options["dtype"],
                 }
-                note = f"SmoothQuant (alpha {alpha}): max of the smoothed channels' ranges"
+                note = f"{self.method} (alpha {alpha}): max of the smoothed channels' ranges"
                 smoothed[tensor_id] = range_qparams(common, "max", lo, hi, grid, note).to_json()
         kept = [q for q in document["qparams"] if q["profile_id"] not in smoothed]
         for q in document["qparams"]:
@@ -106,7 +110,16 @@ class Smoothing:
                 "folded": "into its LayerNorm" if site.folded else "a multiply inserted",
                 "estimated_error_ratio": choices[k].error / choices[k].unsmoothed,
             }
-        return {"smoothed": smoothed, "unsmoothed": unsmoothed | self.plan.skipped}
+        return {
+            "method": self.method,
+            "smoothed": smoothed,
+            "unsmoothed": unsmoothed | self.plan.skipped,
+        }
+
+
+def dense_stats(document: dict) -> dict[str, DenseInput]:
+    """The stored statistics of a QPARAMS document's dense inputs, by profileID."""
+    return {k: DenseInput.from_json(v) for k, v in (document.get("dense_inputs") or {}).items()}
 
 
 def smooth(
@@ -115,22 +128,28 @@ def smooth(
     policy: QuantPolicy,
     enabled: bool | None = None,
     alpha: float | None = None,
+    weight_only: WeightOnly | None = None,
 ) -> tuple[tvm.IRModule, Smoothing | None]:
     """The canonical ``mod`` smoothed where the qparams ``document``'s statistics say the
     target's error drops (``enabled`` None: as the policy says; ``alpha``: one strength for
-    every tensor, else each tensor's best), and what was done (None: nothing asked)."""
+    every tensor, else each tensor's best), and what was done (None: nothing asked). With
+    ``weight_only`` (dense layers' weights in 4 bits, activations FP32) the scales are AWQ's,
+    chosen by the 4-bit error."""
     if not (policy.smooth_quant if enabled is None else enabled):
         return mod, None
-    stored = document.get("dense_inputs")
-    if not stored:
+    stats = dense_stats(document)
+    if not stats:
         if enabled:
             raise RangeprofError(
                 "--smooth-quant: the qparams hold no per-channel statistics of dense layers' "
                 "inputs (calibrate them again from a profile of schema 1.3 or later)"
             )
         return mod, None
-    stats = {k: DenseInput.from_json(v) for k, v in stored.items()}
-    alphas = ALPHAS if alpha is None else (alpha,)
-    plan = plan_smoothing(stats, dense_inputs(mod), target_grid(policy), alphas)
+    if weight_only is not None:
+        plan, method = plan_awq(stats, dense_inputs(mod), weight_only), AWQ
+    else:
+        alphas = ALPHAS if alpha is None else (alpha,)
+        plan = plan_smoothing(stats, dense_inputs(mod), target_grid(policy), alphas)
+        method = SMOOTH_QUANT
     smoothed, sites = smooth_quant(mod, plan.scales)
-    return smoothed, Smoothing(plan, sites)
+    return smoothed, Smoothing(plan, sites, method)

@@ -563,6 +563,11 @@ def evaluate(
         _out.print(f"int16 for the budget: {', '.join(report.kept_int16)}", highlight=False)
     if report.kept_fp32:
         _out.print(f"kept FP32 for the budget: {', '.join(report.kept_fp32)}", highlight=False)
+    if report.kept_int8:
+        _out.print(f"8-bit for the budget: {', '.join(report.kept_int8)}", highlight=False)
+    if report.plan:  # what `build` takes to run the same
+        plan = " ".join(f"--layer-modes '{entry}'" for entry in report.plan)
+        _out.print(f"plan: {plan}", highlight=False, soft_wrap=True)
     Console(width=max(_out.width, 140)).print(_evaluation_table(report))
 
 

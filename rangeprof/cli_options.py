@@ -73,7 +73,10 @@ def _typed(name: str, info: FieldInfo) -> Any:
         kind = type(choices[0])
         base = kind | None if _optional(annotation) else kind
     elif typing.get_origin(annotation) is tuple:
-        base = list[typing.get_args(annotation)[0]] | None
+        item = typing.get_args(annotation)[0]
+        if typing.get_origin(item) is Annotated:  # the request checks the item, not typer
+            item = typing.get_args(item)[0]
+        base = list[item] | None
     else:
         base = annotation
     help_text = info.description or ""

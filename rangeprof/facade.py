@@ -443,13 +443,13 @@ def _held(value):
     return ARRAYS, list(value)
 
 
-def _labels(labels, metric) -> tuple[str | None, np.ndarray | None]:
+def _labels(labels, any_shape: bool) -> tuple[str | None, np.ndarray | None]:
     """Labels as the request records them (a file spec) or held: 1-D integers for top-1;
-    with a ``metric``, anything it reads with a sample axis."""
+    with another metric (``any_shape``), anything it reads with a sample axis."""
     if labels is None or isinstance(labels, str | Path):
         return (None if labels is None else str(labels)), None
     array = np.asarray(labels)
-    if metric is None and (array.ndim != 1 or array.dtype.kind not in "iu"):
+    if not any_shape and (array.ndim != 1 or array.dtype.kind not in "iu"):
         raise RangeprofError(
             f"labels of shape {list(array.shape)} and dtype {array.dtype}: top-1 takes a 1-D "
             "integer array (a metric takes any)"
@@ -472,16 +472,25 @@ def _quantize_request(
     return _validated(kind, {**common, **options.model_dump(), **fields})
 
 
-def _held_data(ranges: Profile | QParams, data, labels, calibration_data, metric):
+def _named_metric(metric, options: dict) -> tuple[Callable | None, dict]:
+    """A metric given by name (``"bpc"``, ``"top1"``) is the ``metric`` option; a callable
+    stays the caller's own."""
+    if isinstance(metric, str):
+        return None, {**options, "metric": metric}
+    return metric, options
+
+
+def _held_data(ranges: Profile | QParams, data, labels, calibration_data, metric, chosen):
     """The request's data fields and what the Python API holds in memory instead of files:
-    the data and the ``ranges``."""
+    the data and the ``ranges`` (``chosen``: the options, whose metric says what labels are)."""
     from rangeprof.workflows.quantize import Held
 
     if not isinstance(ranges, Profile | QParams):
         raise RangeprofError(f"ranges of type {type(ranges).__name__}: give a Profile or QParams")
     if metric is not None and not callable(metric):
         raise RangeprofError(f"metric: {type(metric).__name__} is not callable")
-    (data_spec, data), (labels_spec, labels) = _held(data), _labels(labels, metric)
+    any_labels = metric is not None or chosen.metric == "bpc"
+    (data_spec, data), (labels_spec, labels) = _held(data), _labels(labels, any_labels)
     calibration_spec, calibration = _held(calibration_data)
     fields = {"data": data_spec, "labels": labels_spec, "calibration_data": calibration_spec}
     profile = ranges.record if isinstance(ranges, Profile) else None
@@ -497,7 +506,7 @@ def build(
     data: Data | None = None,
     labels: str | Path | np.ndarray | None = None,
     calibration_data: Data | None = None,
-    metric: Callable[[np.ndarray, np.ndarray | None], float] | None = None,
+    metric: Callable[[np.ndarray, np.ndarray | None], float] | str | None = None,
     **options: Any,
 ) -> Int8Model:
     """Quantize the model with ``ranges`` (a profile, calibrated with the target's policy, or
@@ -508,18 +517,20 @@ def build(
 
     ``accuracy_budget`` is measured on ``data`` (with ``labels``: top-1 points), or with a
     ``metric(outputs, labels) -> float`` (points, higher is better; ``outputs`` the first output
-    of every sample) in its points. ``bias_correction="measured"`` runs ``calibration_data``.
-    Data are files (``FILE.npz:KEY``) or arrays as :func:`profile` takes them, labels a file
-    or an array."""
+    of every sample) in its points, or a built-in one by name (``"bpc"``: bits per character
+    of a language model's logits at the next tokens, in % of FP32's).
+    ``bias_correction="measured"`` runs ``calibration_data``. Data are files (``FILE.npz:KEY``)
+    or arrays as :func:`profile` takes them, labels a file or an array."""
     from rangeprof.workflows import quantize
     from rangeprof.workflows.options import QuantizeOptions
     from rangeprof.workflows.requests import BuildRequest
 
+    metric, options = _named_metric(metric, options)
     chosen = _validated(QuantizeOptions, options)
     if metric is not None and chosen.accuracy_budget is None:
         raise RangeprofError("metric: a build measures it for an accuracy_budget alone")
     model = _model(model)
-    fields, held = _held_data(ranges, data, labels, calibration_data, metric)
+    fields, held = _held_data(ranges, data, labels, calibration_data, metric, chosen)
     temporary = out is None
     folder = Path(tempfile.mkdtemp(prefix="rangeprof-int8-")) if temporary else Path(out)
     try:
@@ -542,26 +553,27 @@ def evaluate(
     *,
     labels: str | Path | np.ndarray | None = None,
     calibration_data: Data | None = None,
-    metric: Callable[[np.ndarray, np.ndarray | None], float] | None = None,
+    metric: Callable[[np.ndarray, np.ndarray | None], float] | str | None = None,
     **options: Any,
 ) -> EvaluationReport:
     """FP32 against INT8 on ``data`` (a file, ``FILE.npz:KEY``, or arrays as :func:`profile`
     takes them; ``labels`` a file or an array, for top-1): the report of ``rangeprof evaluate
     --json`` — per-layer isolated and accumulated SQNR, output SQNR, agreement, top-1, and
     ``fp32_metric`` / ``int8_metric`` with a ``metric(outputs, labels) -> float`` (points,
-    higher is better; ``outputs`` the first output of every sample), which an
-    ``accuracy_budget`` then reads. ``options`` are
+    higher is better; ``outputs`` the first output of every sample) or a built-in one by name
+    (``"bpc"``), which an ``accuracy_budget`` then reads. ``options`` are
     :class:`~rangeprof.workflows.options.QuantizeOptions`; ``method="all"`` (with a profile)
     tries every calibration method and reports the best."""
     from rangeprof.workflows import quantize
     from rangeprof.workflows.options import QuantizeOptions
     from rangeprof.workflows.requests import EvaluateRequest
 
+    metric, options = _named_metric(metric, options)
     chosen = _validated(QuantizeOptions, options)
     model = _model(model)
     if data is None:
         raise RangeprofError("data: an evaluation runs data")
-    fields, held = _held_data(ranges, data, labels, calibration_data, metric)
+    fields, held = _held_data(ranges, data, labels, calibration_data, metric, chosen)
     request = _quantize_request(EvaluateRequest, model, ranges, chosen, **fields)
     return quantize.evaluate(request, held=held)
 
@@ -573,7 +585,7 @@ def quantize(
     out: str | Path | None = None,
     evaluation_data: Data | None = None,
     labels: str | Path | np.ndarray | None = None,
-    metric: Callable[[np.ndarray, np.ndarray | None], float] | None = None,
+    metric: Callable[[np.ndarray, np.ndarray | None], float] | str | None = None,
     progress: Callable[[int, int | None], None] | None = None,
     **options: Any,
 ) -> Int8Model:

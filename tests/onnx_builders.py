@@ -243,11 +243,12 @@ def mobilenet_v3_block() -> onnx.ModelProto:
 TRANSFORMER_TOKENS, TRANSFORMER_WIDTH = 8, 16
 
 
-def pre_ln_transformer(hidden_outlier: float = 1.0) -> onnx.ModelProto:
+def pre_ln_transformer(hidden_outlier: float = 1.0, lm_head: bool = False) -> onnx.ModelProto:
     """A pre-LN transformer block and head: q/k/v read one LayerNorm, a causal mask constant of
     -inf is sliced and added to the scores, fc2 reads a ReLU, the head a Gemm on a reshape of
-    the last LayerNorm; one channel of the first LayerNorm an outlier (gamma 12), and one
-    hidden channel of fc1 ``hidden_outlier`` times the others."""
+    the last LayerNorm (``lm_head``: a MatMul on it, logits ``[1, T, 5]`` with a batch axis);
+    one channel of the first LayerNorm an outlier (gamma 12), and one hidden channel of fc1
+    ``hidden_outlier`` times the others."""
     T, D = TRANSFORMER_TOKENS, TRANSFORMER_WIDTH
     rng = np.random.default_rng(0)
 
@@ -285,12 +286,19 @@ def pre_ln_transformer(hidden_outlier: float = 1.0) -> onnx.ModelProto:
         n("Reshape", ["ln3", "flat"], ["rows"], name="rows"),
         n("Gemm", ["rows", "head", "hb"], ["y"], name="head", transB=1),
     ]
+    y_shape = [T, 5]
+    if lm_head:
+        inits["head"] = inits["head"].T
+        nodes[-2:] = [n("MatMul", ["ln3", "head"], ["y"], name="head")]
+        y_shape = [1, T, 5]
     ints = {"s0": [0, 0], "s1": [T, T], "sa": [0, 1], "flat": [T, D]}
+    if lm_head:
+        del ints["flat"], inits["hb"]
     graph = helper.make_graph(
         nodes,
         "tiny_transformer",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, T, D])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
         [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()]
         + [numpy_helper.from_array(np.asarray(v, np.int64), k) for k, v in ints.items()],
     )

@@ -506,7 +506,7 @@ def test_cli_build_errors_are_one_line_exit_2(tmp_path):
         (["--qparams", str(tmp_path / "nope.json")], "No such file"),
         (
             ["--weight-bits", "9", "--qparams", str(tmp_path / "other.json")],
-            "--weight-bits: weight bits must be one of 7, 8 (got 9)",
+            "--weight-bits: weight bits must be one of 4, 7, 8 (got 9)",
         ),
     ]
     for args, message in cases:

@@ -22,12 +22,14 @@ from rangeprof.profiler.compile.schedules import build as cpu_build
 from .conv1d_int8 import fold_row_conv_taps, legalize_conv_int8
 from .conv2d_int8 import is_integer, schedule_conv2d_int8
 from .dense_int8 import legalize_matmul_int8, schedule_dense_int8, schedule_pack
+from .dense_w4 import emit_dense_w4
+from .dense_w4a8 import SCHEDULES as W4_SCHEDULES
 from .dot import lower_dot_blocks
 from .isa import Isa
 from .prepare import pad_int8_channels, untranspose_quantize
 from .requantize import fold_bias, legalize_multiply, legalize_right_shift
 
-__all__ = ["Isa", "build", "integer_rules"]
+__all__ = ["Isa", "build", "emit_dense_w4", "integer_rules"]
 
 
 def _integer(legalize, isa: Isa):
@@ -49,7 +51,7 @@ def integer_rules(isa: Isa) -> Rules:
             "relax.multiply": legalize_multiply,
             "relax.right_shift": legalize_right_shift,
         },
-        schedules=(schedule_conv2d_int8, schedule_dense_int8, schedule_pack),
+        schedules=(schedule_conv2d_int8, schedule_dense_int8, schedule_pack, *W4_SCHEDULES),
         layout_passes=(untranspose_quantize, fold_row_conv_taps, pad_int8_channels, fold_bias),
         lowering_passes=(lower_dot_blocks,),
     )

@@ -69,6 +69,7 @@ PLUGIN = Plugin(
     patterns=_patterns,
     target=host_target,
     compile=compile_host,
+    dense_w4=cpu.emit_dense_w4,
 )
 """x86's plugin for this machine (the environment not read)."""
 
@@ -88,4 +89,5 @@ def make_plugin(mcpu: str | None = None) -> Plugin:
         target=lambda: target,
         compile=lambda mod: cpu.build(mod, target, ISA, fold_scales=False),
         options={"mcpu": mcpu},
+        dense_w4=cpu.emit_dense_w4,
     )

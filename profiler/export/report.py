@@ -468,10 +468,14 @@ def _evaluation_section(evaluation: dict, layers: list[dict], rows: dict[str, in
         summary.append(f"agreement {ev['agreement']:.2f}%")
     if ev.get("fp32_top1") is not None and ev.get("int8_top1") is not None:
         summary.append(f"top-1 FP32 {ev['fp32_top1']:.2f}% / INT8 {ev['int8_top1']:.2f}%")
+    if ev.get("kept_int8"):
+        summary.append("8-bit: " + ", ".join(str(k) for k in ev["kept_int8"]))
     if ev.get("kept_int16"):
         summary.append("int16: " + ", ".join(str(k) for k in ev["kept_int16"]))
     kept = ev.get("kept_fp32") or []
     summary.append("kept FP32: " + (", ".join(str(k) for k in kept) if kept else "none"))
+    if ev.get("plan"):
+        summary.append("plan (layer_modes): " + " ".join(str(k) for k in ev["plan"]))
     out = [
         '<section id="evaluation">\n<h2>FP32 vs INT8 evaluation</h2>',
         f'<p id="evaluation-summary">{_e("; ".join(summary))}</p>',

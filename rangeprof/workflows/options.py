@@ -27,7 +27,9 @@ from pydantic import (
 )
 
 from rangeprof.byoc.policy import TARGETS, WEIGHT_BITS
+from rangeprof.byoc.weight_only import WEIGHT_ONLY_BITS
 from rangeprof.profiler.calibrate.methods import CHOICES, DTYPES, GRANULARITIES, SCHEMES
+from rangeprof.profiler.calibrate.weight_only import GROUP_SIZES
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.statistics import DEFAULT_BINS
 
@@ -38,6 +40,22 @@ Scheme = Literal[SCHEMES]
 Dtype = Literal[tuple(DTYPES)]
 Granularity = Literal[GRANULARITIES]
 STORED, MEASURED = "stored", "measured"
+
+
+METRICS = ("top1", "bpc")
+
+
+def _layer_mode(entry: str) -> str:
+    pattern, _, mode = entry.rpartition("=")
+    if not pattern or mode not in LAYER_MODES:
+        raise ValueError(
+            f"{entry!r} is not PROFILEID=MODE with MODE one of {', '.join(LAYER_MODES)}"
+        )
+    return entry
+
+
+LAYER_MODES = ("int8", "int16", "fp32")
+LayerMode = Annotated[str, AfterValidator(_layer_mode)]
 
 
 def refusal(err: ValidationError, flags: bool = True) -> RangeprofError:
@@ -57,19 +75,28 @@ def refusal(err: ValidationError, flags: bool = True) -> RangeprofError:
     return RangeprofError(f"{name}: {message}")
 
 
-def _weight_bits(value: int | None) -> int | None:
-    if value is not None and value not in WEIGHT_BITS:
-        raise ValueError(f"weight bits must be one of {', '.join(map(str, WEIGHT_BITS))}")
-    return value
+def _one_of(what: str, choices: tuple[int, ...]):
+    def check(value: int | None) -> int | None:
+        if value is not None and value not in choices:
+            raise ValueError(f"{what} must be one of {', '.join(map(str, choices))}")
+        return value
+
+    return check
 
 
-# An int checked against the choices rather than a Literal: form fields and CLI values arrive
-# as text, which a Literal of ints refuses. None: the target's choice. One annotation (not a
-# union holding one), so that the CLI reads a plain ``int | None``.
+# Ints checked against their choices rather than Literals: form fields and CLI values arrive
+# as text, which a Literal of ints refuses. One annotation each (not a union holding one), so
+# that the CLI reads a plain ``int | None`` / ``int``.
+BITS = (WEIGHT_ONLY_BITS, *WEIGHT_BITS)
 WeightBits = Annotated[
     int | None,
-    AfterValidator(_weight_bits),
-    WithJsonSchema({"anyOf": [{"enum": list(WEIGHT_BITS), "type": "integer"}, {"type": "null"}]}),
+    AfterValidator(_one_of("weight bits", BITS)),
+    WithJsonSchema({"anyOf": [{"enum": list(BITS), "type": "integer"}, {"type": "null"}]}),
+]
+GroupSize = Annotated[
+    int,
+    AfterValidator(_one_of("group size", GROUP_SIZES)),
+    WithJsonSchema({"enum": list(GROUP_SIZES), "type": "integer"}),
 ]
 
 
@@ -149,9 +176,16 @@ class QuantizeOptions(Options):
     weight_bits: WeightBits = Field(
         None,
         description="8: weights in [-127, 127]; 7: in [-63, 63], which x86 CPUs without VNNI "
-        "multiply with vpmaddubsw (faster, a little less accurate). Default: the target's "
-        "choice (x86 on AVX2 without VNNI: 7 for each layer whose error budget allows it, "
-        "from the profile's statistics; else 8).",
+        "multiply with vpmaddubsw (faster, a little less accurate); 4: dense layers' weights "
+        "in 4-bit groups, their activations FP32 (x86; weight-only, AWQ-scaled from the "
+        "profile). Default: the target's choice (x86 on AVX2 without VNNI: 7 for each layer "
+        "whose error budget allows it, from the profile's statistics; else 8).",
+    )
+    group_size: GroupSize = Field(
+        32, description="With 4-bit weights: rows of a weight per scale (32, 64 or 128)."
+    )
+    int4_scheme: Scheme = Field(
+        "asym", description="With 4-bit weights: each group's grid, asym (a zero point) or sym."
     )
     smooth_quant: bool | None = Field(
         None,
@@ -179,11 +213,24 @@ class QuantizeOptions(Options):
         description="The first and last layers that would be INT8 stay FP32 (next to the input "
         "and the output, often the most sensitive).",
     )
+    layer_modes: tuple[LayerMode, ...] = Field(
+        (),
+        description="Per-layer precision, 'PROFILEID=MODE' (a shell pattern of the layers' "
+        "output profileIDs; MODE int8, int16 or fp32): the plan an accuracy budget's report "
+        "lists; a 4-bit layer named int8 runs on 8-bit weights and activations.",
+    )
+    metric: Literal[METRICS] | None = Field(
+        None,
+        description="What the accuracy budget measures: bpc (bits per character of the first "
+        "output's logits at the labels, the next tokens; the budget in % of FP32's), or top1 "
+        "(the default: points of top-1, or of agreement with FP32 without labels).",
+    )
     accuracy_budget: float | None = Field(
         None,
         ge=0,
-        description="Top-1 points (agreement with FP32 without labels) INT8 may lose on the "
-        "evaluation data: the most sensitive layers go to int16, else FP32, until it holds.",
+        description="What INT8 may lose on the evaluation data, in the metric's points: the "
+        "most sensitive layers are widened (4-bit to 8-bit, then int16, then FP32) until it "
+        "holds.",
     )
     samples: int | None = Field(
         None, ge=1, description="Use at most this many samples of the evaluation data."

@@ -10,6 +10,7 @@ import glob
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from rangeprof.profiler.errors import RangeprofError
@@ -48,12 +49,40 @@ HELD = "(in memory)"
 
 def _evaluation_data(request: QuantizeRequest, held: Held):
     """The evaluation data and labels: those held, else the request's files."""
-    labels = read_labels(request.labels) if held.labels is None else held.labels
+    tokens = request.metric == "bpc"
+    labels = read_labels(request.labels, tokens) if held.labels is None else held.labels
     return (request.data if held.data is None else held.data), labels
 
 
-def read_labels(spec: str | None):
-    """The 1-D integer labels of ``FILE.npz[:KEY]`` (default: its first array); ``None``."""
+def _metric(request: QuantizeRequest, held: Held):
+    """The caller's metric, else the request's built-in one (None: top-1)."""
+    from rangeprof.byoc.evaluate import BitsPerCharacter
+
+    if held.metric is not None:
+        return held.metric
+    return BitsPerCharacter() if request.metric == "bpc" else None
+
+
+def _start(request: QuantizeRequest, qm) -> dict[str, frozenset[str]]:
+    """The request's ``layer_modes``: the regions' output profileIDs by mode; a pattern that
+    matches no quantized region's output is an error (a typo)."""
+    outputs = [r.output_id for r in qm.regions if r.fallback is None and r.output_id]
+    kept: dict[str, set[str]] = {}
+    for entry in request.layer_modes:
+        pattern, _, mode = entry.rpartition("=")
+        matched = [o for o in outputs if fnmatchcase(o, pattern)]
+        if not matched:
+            raise RangeprofError(
+                f"--layer-modes {entry}: {pattern!r} matches no quantized layer's output "
+                "(profileIDs as the manifest's regions list them)"
+            )
+        kept.setdefault(mode, set()).update(matched)
+    return {mode: frozenset(ids) for mode, ids in kept.items()}
+
+
+def read_labels(spec: str | None, tokens: bool = False):
+    """The integer labels of ``FILE.npz[:KEY]`` (default: its first array), 1-D (one class a
+    sample) or, for ``tokens``, of any shape (a token a position); ``None``."""
     import numpy as np
 
     if spec is None:
@@ -67,8 +96,9 @@ def read_labels(spec: str | None):
             labels = arrays[key]
     except (OSError, ValueError) as err:
         raise RangeprofError(f"{path}: cannot read labels ({err})") from None
-    if labels.ndim != 1 or labels.dtype.kind not in "iu":
-        raise RangeprofError(f"{spec}: labels must be a 1-D integer array")
+    if labels.dtype.kind not in "iu" or (labels.ndim != 1 and not (tokens and labels.ndim)):
+        shape = "an integer array" if tokens else "a 1-D integer array"
+        raise RangeprofError(f"{spec}: labels must be {shape}")
     return labels
 
 
@@ -148,8 +178,28 @@ def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin, profi
         profile_moments(profile) if profile is not None else None,
         request.smooth_quant,
         request.smooth_alpha,
+        _weight_only(request),
     )
     return _ends_fp32(request, qm)
+
+
+def _plugin(request: QuantizeRequest):
+    """The target's plugin with the request's weight bits (4: its own bits for the layers
+    that stay 8-bit)."""
+    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.byoc.weight_only import WEIGHT_ONLY_BITS
+
+    bits = request.weight_bits
+    return get_plugin(request.target, None if bits == WEIGHT_ONLY_BITS else bits)
+
+
+def _weight_only(request: QuantizeRequest):
+    """How dense weights are stored in 4 bits, when the request asks for them."""
+    from rangeprof.byoc.weight_only import WEIGHT_ONLY_BITS, WeightOnly
+
+    if request.weight_bits != WEIGHT_ONLY_BITS:
+        return None
+    return WeightOnly(request.group_size, request.int4_scheme == "sym")
 
 
 def _replanned(request: QuantizeRequest, qm, qparams: QParamsDocument):
@@ -212,11 +262,11 @@ def build(request: BuildRequest, progress: Progress | None = None, held: Held = 
     from rangeprof.byoc.artifact import build_artifact
     from rangeprof.byoc.bias_correction import corrected
     from rangeprof.byoc.evaluate import fit_budget
+    from rangeprof.byoc.lowering import FP32, INT8, INT16
     from rangeprof.byoc.manifest import Manifest
-    from rangeprof.byoc.plugin import get_plugin
 
     report = progress or (lambda phase, done, total: None)
-    plugin = get_plugin(request.target, request.weight_bits)
+    plugin = _plugin(request)
     report("quantizing", 0, 3)
     profile = _profile(request, held)
     qparams = _ranges(request, profile, held)(request.method)
@@ -228,22 +278,17 @@ def build(request: BuildRequest, progress: Progress | None = None, held: Held = 
             request, measured, profile, progress, compiled, held
         )
         qm, measured = (corrected(m, corrections, record) for m in (qm, measured))
-    kept_fp32 = kept_int16 = frozenset()
+    kept = _start(request, qm)
     if request.accuracy_budget is not None:
         data, labels = _evaluation_data(request, held)
         fitted = fit_budget(
-            measured,
-            data,
-            request.accuracy_budget,
-            labels,
-            request.samples,
-            progress,
-            compiled,
-            held.metric,
-        )
-        kept_fp32, kept_int16 = frozenset(fitted.kept_fp32), frozenset(fitted.kept_int16)
+            measured, data, request.accuracy_budget, labels, request.samples, progress,
+            compiled, _metric(request, held), kept,
+        )  # fmt: skip
+        kept = {FP32: fitted.kept_fp32, INT16: fitted.kept_int16, INT8: fitted.kept_int8}
     report("compiling", 1, 3)
-    return Manifest.from_json(build_artifact(qm, request.out, kept_fp32, kept_int16))
+    kept = [frozenset(kept.get(mode, ())) for mode in (FP32, INT16, INT8)]
+    return Manifest.from_json(build_artifact(qm, request.out, *kept))
 
 
 def evaluate(
@@ -255,10 +300,10 @@ def evaluate(
     from rangeprof.byoc.bias_correction import corrected
     from rangeprof.byoc.evaluate import evaluate as run_evaluation
     from rangeprof.byoc.evaluate import fit_budget
-    from rangeprof.byoc.plugin import get_plugin
+    from rangeprof.byoc.lowering import FP32, INT8, INT16
     from rangeprof.profiler.calibrate.methods import CHOICES
 
-    plugin = _runnable_here(get_plugin(request.target, request.weight_bits))
+    plugin = _runnable_here(_plugin(request))
     methods = list(CHOICES) if request.method == EVERY_METHOD else [request.method]
     data, labels = _evaluation_data(request, held)
     results, qm = [], None
@@ -275,15 +320,17 @@ def evaluate(
         if request.bias_correction is not None:
             qm = corrected(qm, *_bias_corrections(request, qm, profile, progress, compiled, held))
             corrections[qparams.options.method] = qm.bias_correction
+        kept, metric = _start(request, qm), _metric(request, held)
         if request.accuracy_budget is None:
+            empty = frozenset()
             result = run_evaluation(
-                qm, data, labels, request.samples, progress=progress, compiled=compiled,
-                metric=held.metric,
+                qm, data, labels, request.samples, kept.get(FP32, empty), progress, compiled,
+                kept.get(INT16, empty), metric, kept.get(INT8, empty),
             )  # fmt: skip
         else:
             result = fit_budget(
                 qm, data, request.accuracy_budget, labels, request.samples, progress,
-                compiled, held.metric,
+                compiled, metric, kept,
             )  # fmt: skip
         results.append((qparams.options.method, result.to_json()))
     return _report(request, results, corrections)

@@ -71,8 +71,10 @@ function showFacts() {
     ["output SQNR", report.output_sqnr_db === undefined ? "–" : `${fmt(report.output_sqnr_db)} dB`],
     ["top-1 agreement", report.agreement === undefined ? "–" : `${fmt(report.agreement)} %`],
     ["top-1 FP32 / INT8", report.fp32_top1 === undefined ? "– (no labels)" : `${fmt(report.fp32_top1)} % / ${fmt(report.int8_top1)} %`],
+    ["8-bit for the budget", report.kept_int8?.length ? report.kept_int8.join(", ") : "–"],
     ["int16 for the budget", report.kept_int16?.length ? report.kept_int16.join(", ") : "–"],
     ["kept FP32", report.kept_fp32?.length ? report.kept_fp32.join(", ") : "–"],
+    ["plan (layer_modes)", report.plan?.length ? report.plan.join(" ") : "–"],
     ["error", evaluation.error ?? "–"],
     ["request", requestDetails(request)],
   ];

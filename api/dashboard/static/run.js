@@ -112,16 +112,18 @@ function fp32Cell(build) {
   const manifest = manifests.get(build.id);
   const kept = manifest?.kept_fp32 ?? [];
   const wide = manifest?.kept_int16 ?? [];
+  const raised = manifest?.kept_int8 ?? [];
   const parts = [];
   if (request.fp32_fallback) parts.push("fallback");
   if (request.bias_correction) {
     parts.push(request.bias_correction === "stored" ? "bias corrected (stored)" : "bias corrected");
   }
   if (request.accuracy_budget !== null) {
-    const done = manifest ? `: ${wide.length} int16, ${kept.length} FP32` : "";
+    const eight = raised.length ? `${raised.length} 8-bit, ` : "";
+    const done = manifest ? `: ${eight}${wide.length} int16, ${kept.length} FP32` : "";
     parts.push(`budget ${fmt(request.accuracy_budget)} pts${done}`);
   }
-  const title = [...wide, ...kept].join(", ") || undefined;
+  const title = [...raised, ...wide, ...kept].join(", ") || undefined;
   return el("td", { "data-column": "fp32", title }, parts.join(", ") || "–");
 }
 
