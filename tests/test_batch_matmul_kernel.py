@@ -17,6 +17,7 @@ import pytest
 import tvm
 from tvm import relax
 
+from rangeprof.byoc.cpu import amx
 from rangeprof.byoc.cpu.dense_int8 import (
     DENSE,
     OFFSET_SUMS,
@@ -149,13 +150,16 @@ def test_offset_correction_per_batch_exact():
 
 
 def test_host_uses_its_dot_instruction():
-    """``vpdpbusd`` with AVX-512 VNNI, else (AVX2) ``vpmaddwd``: the run-time operand may hold
-    any int8, which ``vpmaddubsw`` does not multiply exactly."""
+    """AMX ``tdpbusd`` where the host has it (these shapes fill its tiles), else ``vpdpbusd``
+    with AVX-512 VNNI, else (AVX2) ``vpmaddwd``: the run-time operand may hold any int8, which
+    ``vpmaddubsw`` does not multiply exactly."""
     target = host_target()
     has = tvm.target.codegen.target_has_features
     if not has("avx2", target):
         pytest.skip("no AVX2 on this machine")
     expected = "vpdpbusd" if has("avx512vnni", target) else "vpmaddwd"
+    if amx.available(target):
+        expected = "tdpbusd"
     asm = _assembly(_module(*SHAPES["attention_scores"]), target)
     assert DENSE in asm and PACK in asm  # our kernels, not TVM's matmul
     assert re.search(rf"\b{expected}\b", asm)

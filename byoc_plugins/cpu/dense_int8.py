@@ -30,6 +30,12 @@ row (a classifier at batch 1) takes the widest block: four independent accumulat
 instead of one. On a Zen 3 EPYC (AVX2) the attention matmuls of tiny_bert ([4, 128, 64] ×
 [4, 64, 128] and [4, 128, 128] × [4, 128, 64]) ran 2.2× faster than on TVM's matmul, single
 thread, packing included, the ``vpmaddwd`` loop at that core's ``vpmaddwd`` throughput.
+
+Where the target has AMX (Sapphire Rapids on), a ``vpdpbusd`` kernel whose rows, columns and
+reduction fill whole tiles (16, 16, 64) runs on ``tdpbusd`` instead (:mod:`.amx`), the same
+operands and layout, the same results: ``parallel`` over the ``batch… × M/rows × N/columns``
+output tiles (32 × 32 where the shape allows), each the whole reduction on tile registers,
+then the epilogue on its int32 outputs.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from rangeprof.profiler.compile.schedules.elementwise import (
     schedule_spatial,
 )
 
+from . import amx
 from .conv2d_int8 import (
     STAGE,
     corrected,
@@ -57,6 +64,7 @@ from .conv2d_int8 import (
     dot_layout,
     finish_dot_tile,
     is_integer,
+    schedule_stage,
     stage,
 )
 from .dot import INSTRUCTION, chosen_instruction
@@ -222,6 +230,9 @@ def schedule_dense_int8(sch: s_tir.Schedule) -> bool:
     if batch and len(weight.shape) == 3:  # shared weights: every row alike
         _flatten_rows(sch, block, [extent(sch, loop) for loop in (*batch, m)])
         (m, n, k), batch = sch.get_loops(block), []
+    if _tiles_fit(instruction, extent(sch, m), nb, extent(sch, k)):
+        _schedule_tiles(sch, block, batch, (m, n, k), nb)
+        return True
     rows = instruction.tile(extent(sch, m), nb)
 
     out = inline_epilogue(sch, block, keep=(STAGE,))
@@ -232,6 +243,36 @@ def schedule_dense_int8(sch: s_tir.Schedule) -> bool:
     outer = sch.fuse(*batch, mo, no)
     finish_dot_tile(sch, block, out, outer, (mi, nv), ko, nl, instruction)
     return True
+
+
+def _tiles_fit(instruction, rows: int, nb: int, depth: int) -> bool:
+    """Whether the target has AMX tiles and the kernel fits them: ``vpdpbusd``'s operands (u8
+    activations, s8 weights in groups of 4, the layout ``tdpbusd`` reads) in whole tiles."""
+    return (
+        (instruction.data_dtype, instruction.weight_dtype, instruction.depth)
+        == ("uint8", "int8", 4)
+        and amx.available(tvm.target.Target.current(allow_none=True))
+        and amx.fits(rows, nb, depth)
+    )
+
+
+def _schedule_tiles(sch: s_tir.Schedule, block, batch: list, loops: tuple, nb: int) -> None:
+    """``batch…, M/rows, N/columns`` ``parallel`` | the AMX tile (``rows × columns`` outputs,
+    the whole reduction: :func:`~.amx.mark_tile`), then the epilogue on its int32 outputs.
+    Two accumulator tiles each way where the shape allows."""
+    m, n, k = loops
+    rows = 2 * amx.ROWS if extent(sch, m) % (2 * amx.ROWS) == 0 else amx.ROWS
+    columns = 2 * amx.COLUMNS if nb % (2 * amx.COLUMNS) == 0 else amx.COLUMNS
+    out = inline_epilogue(sch, block, keep=(STAGE,))
+    mo, mi = sch.split(m, [None, rows])
+    no, ni = sch.split(n, [None, columns])
+    sch.reorder(*batch, mo, no, mi, ni, k)
+    outer = sch.fuse(*batch, mo, no)
+    sch.parallel(outer)
+    sch.reverse_compute_at(out, outer)
+    amx.mark_tile(sch, mi)
+    sch.vectorize(sch.get_loops(out)[-1])
+    schedule_stage(sch)
 
 
 def schedule_pack(sch: s_tir.Schedule) -> bool:

@@ -16,6 +16,9 @@ lay their buffers out so), ``data`` either the same for every lane (broadcast: a
 channels) or one group per lane (a depthwise conv's taps, which may come packed in int32
 words: the factor is then that word's int16 half, and the lowering reads the words' bits);
 anything else is an error, not a silent scalar fallback.
+
+The same pass lowers the AMX tiles the dense rule marks (:mod:`.amx`), whose multiply-accumulate
+block has that form too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tvm import s_tir, tirx
 
 from rangeprof.profiler.compile.schedules.marks import lower_marked_blocks
 
+from . import amx
 from .isa import DOT_INSTRUCTIONS, DotInstruction
 
 ANNOTATION = "rangeprof.dot"
@@ -75,12 +79,9 @@ def _load(expr):
     return loads[0]
 
 
-def _dot_statement(block: s_tir.SBlock, instruction: DotInstruction) -> tirx.BufferStore:
-    """One instruction call for the ``lanes × depth`` loop nest under ``block``."""
-    realize = block.body
-    while isinstance(realize, tirx.For):
-        realize = realize.body
-    inner = realize.block
+def multiply_accumulate(inner: s_tir.SBlock):
+    """The accesses of ``acc[..] = acc[..] + int32(data[..]) * int32(weight[..])``: the store,
+    the data load and the weight load."""
     store = inner.body
     value = store.value
     if not (
@@ -89,7 +90,16 @@ def _dot_statement(block: s_tir.SBlock, instruction: DotInstruction) -> tirx.Buf
         and isinstance(value.b, tirx.Mul)
     ):
         raise ValueError(f"{inner.name_hint} is no multiply-accumulate")
-    data, weight = _load(value.b.a), _load(value.b.b)
+    return store, _load(value.b.a), _load(value.b.b)
+
+
+def _dot_statement(block: s_tir.SBlock, instruction: DotInstruction) -> tirx.BufferStore:
+    """One instruction call for the ``lanes × depth`` loop nest under ``block``."""
+    realize = block.body
+    while isinstance(realize, tirx.For):
+        realize = realize.body
+    inner = realize.block
+    store, data, weight = multiply_accumulate(inner)
     base = {iv.var: tirx.const(0, str(iv.var.ty)) for iv in inner.iter_vars}
     lanes, depth = instruction.lanes, instruction.depth
     acc_index = _vector(store, base, lanes)
@@ -107,7 +117,9 @@ def _dot_statement(block: s_tir.SBlock, instruction: DotInstruction) -> tirx.Buf
 
 @tvm.transform.module_pass(opt_level=0, name="LowerDotBlocks")
 def lower_dot_blocks(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Each block annotated by :func:`mark` → one dot-product instruction call."""
-    return lower_marked_blocks(
+    """Each block annotated by :func:`mark` → one dot-product instruction call; each AMX tile
+    (:func:`~.amx.mark_tile`) → its tile program."""
+    mod = lower_marked_blocks(
         mod, ANNOTATION, lambda block, name: _dot_statement(block, DOT_INSTRUCTIONS[str(name)])
     )
+    return amx.lower_tiles(mod, multiply_accumulate)

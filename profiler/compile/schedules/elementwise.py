@@ -10,7 +10,8 @@ Rules (each PrimFunc that no operator rule claims gets :func:`schedule_generic`)
   extent divides evenly, so no tail predicate lands in the vector loop (narrower, 8 or 4, when
   the last axis is no multiple of 16: a vector then never spans two of its rows). Tiny blocks stay
   serial: waking the thread pool costs more than they do. Padding or transposing into a last
-  axis narrower than a vector (3 image channels) goes row by row instead (see
+  axis narrower than a vector (3 image channels) goes row by row instead, and a transpose whose
+  vectors gather down the rows of its input strip by strip of vectors (see
   :func:`schedule_spatial`).
 * **Reduction blocks** (mean, softmax sums and maxima, layer norm statistics): their spatial loops
   fused and ``parallel``, the reduction loop serial inside. Where the last axis is kept (a sum
@@ -132,10 +133,13 @@ def schedule_spatial(sch: s_tir.Schedule, block) -> None:
             sch.parallel(rows)
         sch.unroll(loops[-1])
         return
+    last = extent(sch, loops[-1])
+    if len(loops) > 1 and last % VECTOR == 0 and _gathers(sch, block):
+        _strips(sch, block, loops)
+        return
     # Vectors must not straddle rows of the last axis: with 24 channels a 16-wide vector does,
     # its lanes' indices no longer form one ramp, and it gathers (a quantize 6× slower); the
     # largest power of two dividing that axis keeps every vector one contiguous load.
-    last = extent(sch, loops[-1])
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     total = extent(sch, fused)
     inner = VECTOR if total % VECTOR == 0 else largest_divisor(total, VECTOR)
@@ -146,6 +150,35 @@ def schedule_spatial(sch: s_tir.Schedule, block) -> None:
         sch.vectorize(inner_loop)
     if total >= PARALLEL_MIN:
         sch.parallel(outer)
+
+
+def _gathers(sch: s_tir.Schedule, block) -> bool:
+    """Whether the block reads a tensor along its last axis elsewhere than in that tensor's
+    last dimension: each lane of a vector then reads another row (a transpose's gather)."""
+    last = sch.get(block).iter_vars[-1].var
+
+    def uses(index) -> bool:
+        return any(v.same_as(last) for v in tirx.analysis.undefined_vars(index))
+
+    return any(
+        region.region
+        and not uses(region.region[-1].min)
+        and any(uses(r.min) for r in region.region[:-1])
+        for region in sch.get(block).reads
+    )
+
+
+def _strips(sch: s_tir.Schedule, block, loops: list) -> None:
+    """A transposing block (attention's ``Kᵀ``: heads × 64 × 128 from 128 rows of 256): its
+    last axis split into vectors, the strips of vectors outermost and every other axis inside,
+    so that the input rows one strip gathers from stay in cache while the strip is swept (3×
+    faster than in output order, where each gather missed)."""
+    outer, lanes = sch.split(loops[-1], [None, VECTOR])
+    sch.reorder(outer, *loops[:-1], lanes)
+    strips = sch.fuse(outer, *loops[:-1])
+    if extent(sch, strips) * VECTOR >= PARALLEL_MIN:
+        sch.parallel(strips)
+    sch.vectorize(lanes)
 
 
 def schedule_reduction(sch: s_tir.Schedule, block) -> None:

@@ -7,16 +7,18 @@ sum in program order: one scalar add per element).
 
 Here every block is computed per row of the output, right before that row's epilogue:
 
-* The output block's row loops are fused and ``parallel``; its last axis (the reduced one) is
-  vectorised.
+* The output block's row loops are fused, split into groups of 4 rows, and ``parallel`` over
+  the groups; its last axis (the reduced one) is vectorised.
 * Each reduction is computed at the row, its reduced axis split by 16 and ``rfactor``-ed: 16
-  partial sums (or maxima) in registers, vectorised, then summed across lanes once per row.
+  partial sums (or maxima) in a register, vectorised, then summed across lanes once per row.
   This reorders the float sum (within rounding of TVM's default) the same way in every build
   that holds the kernel, whatever its epilogue: the profiling build stays bitwise equal to its
-  uninstrumented build. A reduced axis that 4 does not divide stays serial.
+  uninstrumented build. A reduced axis that 4 does not divide stays serial. The rows of a
+  group are reduced side by side, each step adding to every row's sums (a row alone is a chain
+  of dependent adds the core waits on: layer norm 1.5× slower), each row in its own order.
 * A full-row intermediate that several blocks read (softmax's exp) is kept, computed at the row
   into a row-sized buffer: exp is evaluated once per element, and the row stays in cache between
-  the sum and the division. Everything else is inlined.
+  the sum and the division. Everything else is inlined (the division into a fused quantize).
 
 Softmax's ``exp`` is vectorised arithmetic (:data:`~.activations.lower_vector_math`).
 """
@@ -36,6 +38,10 @@ from rangeprof.profiler.compile.schedules.elementwise import (
     root_blocks,
 )
 
+# Rows whose reductions run side by side: a row's sums are chains of dependent adds (16
+# partial sums, then across the lanes), 4-cycle latency each, which one row alone leaves idle.
+_INTERLEAVED = 4
+
 
 def _rows_then_reduce(sch: s_tir.Schedule, block, rows: list[int], width: int) -> bool:
     """Whether a reduction block runs over the output's rows and reduces their last axis."""
@@ -52,7 +58,9 @@ def _rows_then_reduce(sch: s_tir.Schedule, block, rows: list[int], width: int) -
 
 
 def _full_rows(sch: s_tir.Schedule, out) -> set[str]:
-    """Names of the non-output spatial blocks shaped like the output (softmax's exp)."""
+    """Names of the non-output spatial blocks shaped like the output that several blocks read
+    (softmax's exp, read by its sum and its division); one read once (the division, before a
+    fused quantize) is inlined into its reader."""
     shape = [int(iv.dom.extent) for iv in sch.get(out).iter_vars]
     return {
         sch.get(b).name_hint
@@ -60,6 +68,7 @@ def _full_rows(sch: s_tir.Schedule, out) -> set[str]:
         if not is_reduction(sch, b)
         and not sch.get(b).same_as(sch.get(out))
         and [int(iv.dom.extent) for iv in sch.get(b).iter_vars] == shape
+        and len(sch.get_consumers(b)) > 1
     }
 
 
@@ -72,31 +81,55 @@ def _vectorize_row(sch: s_tir.Schedule, loop, width: int) -> None:
 
 def _rfactor(sch: s_tir.Schedule, block, width: int):
     """Splits the reduced axis of a root reduction block into 16 (or fewer) lanes of partial
-    reductions (a local buffer) and one reduction across them; None when no lanes fit."""
+    reductions and one reduction across them, when at least 4 lanes fit. The partials keep the
+    global scope: TVM places a small global buffer on the stack, where LLVM keeps it in a
+    register, but a ``local`` one in a workspace it allocates per row, where every step of the
+    reduction loads and stores it (softmax 1.5× slower)."""
     lanes = largest_divisor(width, VECTOR)
-    if lanes < 4:
-        return None
-    *_, k = sch.get_loops(block)
-    _, ki = sch.split(k, [None, lanes])
-    partial = sch.rfactor(ki, factor_axis=len(sch.get(block).iter_vars) - 1)
-    sch.set_scope(partial, 0, "local")
-    return partial
+    if lanes >= 4:
+        *_, k = sch.get_loops(block)
+        _, ki = sch.split(k, [None, lanes])
+        sch.rfactor(ki, factor_axis=len(sch.get(block).iter_vars) - 1)
 
 
-def _vectorize_partial(sch: s_tir.Schedule, partial) -> None:
-    """Puts the lanes of the partial reductions innermost, vectorised, their init apart."""
-    *_, first, second = sch.get_loops(partial)
-    realize = sch.get(second).body
-    lane_var = next(
-        value
-        for iv, value in zip(realize.block.iter_vars, realize.iter_values, strict=True)
-        if iv.iter_type == tirx.IterVar.DataPar
-        and any(value.same_as(sch.get(lp).loop_var) for lp in (first, second))
-    )
-    ko, ki = (first, second) if lane_var.same_as(sch.get(second).loop_var) else (second, first)
-    sch.reorder(ko, ki)
-    sch.vectorize(ki)
-    sch.decompose_reduction(partial, ko)
+def _roles(sch: s_tir.Schedule, block, row) -> dict[str, object]:
+    """The block's loops below ``row`` by what they run over: ``reduce`` (the reduced axis),
+    ``rows`` (the rows interleaved under ``row``) and ``lanes`` (a partial reduction's)."""
+    loops = sch.get_loops(block)
+    below = loops[[sch.get(lp).same_as(sch.get(row)) for lp in loops].index(True) + 1 :]
+    realize = sch.get(below[-1]).body
+    outer = sch.get(row).loop_var
+    roles = {}
+    for loop in below:
+        var = sch.get(loop).loop_var
+        for iv, value in zip(realize.block.iter_vars, realize.iter_values, strict=True):
+            used = tirx.analysis.undefined_vars(value)
+            if not any(v.same_as(var) for v in used):
+                continue
+            if iv.iter_type != tirx.IterVar.DataPar:
+                roles["reduce"] = loop
+            elif any(v.same_as(outer) for v in used):
+                roles["rows"] = loop
+            else:
+                roles["lanes"] = loop
+    return roles
+
+
+def _interleave(sch: s_tir.Schedule, block, row) -> None:
+    """A reduction computed at ``row``: its reduced loop outside the rows, which are unrolled
+    (each step then adds to the partial sums of every row, independent chains the core
+    overlaps), a partial reduction's lanes innermost and vectorised, the init split off. Each
+    row still adds in the same order."""
+    roles = _roles(sch, block, row)
+    order = [roles[r] for r in ("reduce", "rows", "lanes") if r in roles]
+    if len(order) > 1:
+        sch.reorder(*order)
+    if "rows" in roles:
+        sch.unroll(roles["rows"])
+    if "lanes" in roles:
+        sch.vectorize(roles["lanes"])
+    if "reduce" in roles:  # none where the lanes cover the row: no loop
+        sch.decompose_reduction(block, roles["reduce"])
 
 
 def schedule_normalization(sch: s_tir.Schedule) -> bool:
@@ -119,19 +152,23 @@ def schedule_normalization(sch: s_tir.Schedule) -> bool:
     for block in blocks:
         if not is_reduction(sch, block) and len(sch.get_loops(block)) != len(rows) + 1:
             return False  # a per-row scalar left uninlined: not a shape we schedule
-    partials = [p for p in (_rfactor(sch, b, width) for b in reductions) if p is not None]
+    for block in reductions:
+        _rfactor(sch, block, width)
     loops = sch.get_loops(out)
     row = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+    together = largest_divisor(math.prod(rows), _INTERLEAVED)
+    if together > 1:
+        row, _ = sch.split(row, [None, together])
     blocks = [b for b in root_blocks(sch) if not sch.get(b).same_as(sch.get(out))]
     for block in reversed(blocks):
         sch.compute_at(block, row)
     # Before the inits are split off: TIR parallelises and vectorises only whole reductions.
-    if math.prod(rows) > 1 and math.prod(rows) * width >= PARALLEL_MIN:
+    if math.prod(rows) > together and math.prod(rows) * width >= PARALLEL_MIN:
         sch.parallel(row)
-    for partial in partials:
-        _vectorize_partial(sch, partial)
     for block in blocks:
-        if not is_reduction(sch, block):
+        if is_reduction(sch, block):
+            _interleave(sch, block, row)
+        else:
             _vectorize_row(sch, sch.get_loops(block)[-1], width)
     _vectorize_row(sch, sch.get_loops(out)[-1], width)
     return True
