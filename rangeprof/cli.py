@@ -546,6 +546,9 @@ def evaluate(
         if report.fp32_top1 is not None
         else ""
     )
+    if request.metric == "bpc" and report.int8_metric is not None:  # stored as -bpc
+        fp32, int8 = -report.fp32_metric, -report.int8_metric
+        top1 = f"bpc FP32 {fp32:.4f} INT8 {int8:.4f} ({100 * (int8 / fp32 - 1):+.2f}%), "
     _out.print(
         f"{request.target}, {report.samples} samples, method {best_method}: {top1}"
         f"agreement {report.agreement:.2f}%, output SQNR {report.output_sqnr_db} dB",
