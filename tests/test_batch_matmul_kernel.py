@@ -29,6 +29,7 @@ from rangeprof.byoc.cpu.dense_int8 import (
 from rangeprof.byoc.cpu.isa import DOT_INSTRUCTIONS
 from rangeprof.profiler.compile.schedules import host_target
 
+from int8_operands import matmul_operands
 from integer_build import build
 
 VNNI = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})
@@ -44,7 +45,6 @@ SHAPES = {
     "odd_k": ((2, 8, 20), (2, 20, 16)),
     "shared_2d": ((3, 20), (20, 32)),
 }
-RANGE = {"uint8": (0, 255), "int8": (-128, 127), "int16": (-2000, 2000)}
 
 
 def _module(a_shape, b_shape, dtype: str = "uint8") -> tvm.IRModule:
@@ -73,18 +73,6 @@ def _assembly(mod: tvm.IRModule, target) -> str:
     return llvm.inspect_source("asm")
 
 
-def _operands(a_shape, b_shape, dtype: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Random operands with the extremes where the sums are largest: the first row of ``a`` at
-    its type's largest magnitude, the first column of ``b`` at −128, the last at 127."""
-    rng = np.random.default_rng(seed)
-    low, high = RANGE[dtype]
-    a = rng.integers(low, high + 1, a_shape)
-    b = rng.integers(-128, 128, b_shape)
-    a[..., 0, :] = low if dtype == "int8" else high
-    b[..., 0], b[..., -1] = -128, 127
-    return a.astype(dtype), b.astype("int8")
-
-
 def _exact(mod: tvm.IRModule, a: np.ndarray, b: np.ndarray) -> None:
     expected = np.matmul(a.astype(np.int64), b.astype(np.int64))
     assert np.abs(expected).max() < 2**31
@@ -95,13 +83,13 @@ def _exact(mod: tvm.IRModule, a: np.ndarray, b: np.ndarray) -> None:
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_batch_matmul_exact(name, dtype):
     a_shape, b_shape = SHAPES[name]
-    _exact(_module(a_shape, b_shape, dtype), *_operands(a_shape, b_shape, dtype))
+    _exact(_module(a_shape, b_shape, dtype), *matmul_operands(a_shape, b_shape, dtype))
 
 
 def test_int16_batch_matmul_exact():
     """The quantizer's int16 fallback takes the int16 pairs, the operand widened by the pack."""
     a_shape, b_shape = SHAPES["batch_3d"]
-    _exact(_module(a_shape, b_shape, "int16"), *_operands(a_shape, b_shape, "int16"))
+    _exact(_module(a_shape, b_shape, "int16"), *matmul_operands(a_shape, b_shape, "int16"))
 
 
 @pytest.mark.parametrize(
@@ -111,7 +99,7 @@ def test_int16_batch_matmul_exact():
 )
 def test_uncovered_shapes_keep_tvm_matmul(a_shape, b_shape):
     mod = _module(a_shape, b_shape)
-    _exact(mod, *_operands(a_shape, b_shape, "uint8"))
+    _exact(mod, *matmul_operands(a_shape, b_shape, "uint8"))
     assert DENSE not in _assembly(mod, host_target())
 
 
@@ -145,7 +133,7 @@ def test_offset_correction_per_batch_exact():
             )
             out = bb.emit_output(out)
         bb.emit_func_output(out)
-    x, w = _operands(a_shape, b_shape, "int8")
+    x, w = matmul_operands(a_shape, b_shape, "int8")
     _exact(bb.get(), x, np.clip(w, -64, 64).astype("int8"))
 
 

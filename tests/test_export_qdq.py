@@ -195,12 +195,14 @@ def test_import_qparams_gives_back_the_exported_qparams(profiled, options, tmp_p
 def test_a_build_of_the_export_is_our_build_of_the_profile(profiled, tmp_path):
     """``rangeprof build`` of the QDQ model on its own pairs (``import-qparams``) computes what
     the build of the profile does: the pairs sit on exactly the tensors the x86 build
-    quantizes, and the outputs it leaves in FP32 need none."""
+    quantizes, and the outputs it leaves in FP32 need none. The export holds no SmoothQuant
+    scales: it is the build without smoothing."""
     path = tmp_path / "model.int8.onnx"
     onnx.save(_exported(profiled, X86), path)
     x86 = get_plugin("x86")
     shapes = profiled.case.shapes
-    ours = quantize_model(profiled.model, calibrate(profiled.profile, X86), x86, shapes)
+    qparams = calibrate(profiled.profile, X86)
+    ours = quantize_model(profiled.model, qparams, x86, shapes, smooth_quant=False)
     theirs = quantize_model(path, import_qparams(path, shapes), x86, shapes)
     # The same grids (the import holds a pair as a Clip to its range, under the Clip's ID).
     grids = [[(r.input.scale, r.input.zero_point) for r in m.regions] for m in (ours, theirs)]

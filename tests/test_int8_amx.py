@@ -14,13 +14,13 @@ from tvm import relax
 from rangeprof.byoc.cpu import amx
 from rangeprof.profiler.compile.schedules import host_target
 
+from int8_operands import matmul_operands
 from integer_build import build
 
 pytestmark = pytest.mark.skipif(
     not amx.available(host_target()), reason="no AMX tiles on this machine"
 )
 VNNI = tvm.target.Target({"kind": "llvm", "mcpu": "icelake-server"})  # runs here, no AMX
-RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
 # name: (left operand's shape, right operand's shape, right operand constant)
 SHAPES = {
     "dense_768": ((1, 128, 256), (256, 768), True),
@@ -29,18 +29,6 @@ SHAPES = {
     "scores": ((1, 4, 128, 64), (1, 4, 64, 128), False),
     "context": ((1, 4, 128, 128), (1, 4, 128, 64), False),
 }
-
-
-def _operands(a_shape, b_shape, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Random operands, the first row of ``a`` and the first and last columns of ``b`` at
-    their extremes (the largest sums)."""
-    rng = np.random.default_rng(0)
-    low, high = RANGE[dtype]
-    a = rng.integers(low, high + 1, a_shape)
-    b = rng.integers(-128, 128, b_shape)
-    a[..., 0, :] = low if dtype == "int8" else high
-    b[..., 0], b[..., -1] = -128, 127
-    return a.astype(dtype), b.astype("int8")
 
 
 def _module(a: np.ndarray, b: np.ndarray, constant: bool, scaled: bool = False):
@@ -80,7 +68,7 @@ def _assembly(mod, target) -> str:
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_tiles_exact(name, dtype):
     a_shape, b_shape, constant = SHAPES[name]
-    a, b = _operands(a_shape, b_shape, dtype)
+    a, b = matmul_operands(a_shape, b_shape, dtype)
     mod = _module(a, b, constant)
     expected = np.matmul(a.astype(np.int64), b.astype(np.int64))
     np.testing.assert_array_equal(_run(mod, host_target(), a, b, constant), expected)
@@ -92,7 +80,7 @@ def test_same_bits_as_vnni_through_an_epilogue(name):
     """The accumulators stored by the tiles and read by a float epilogue: the VNNI build's
     outputs, bit for bit."""
     a_shape, b_shape, constant = SHAPES[name]
-    a, b = _operands(a_shape, b_shape, "uint8")
+    a, b = matmul_operands(a_shape, b_shape, "uint8")
     mod = _module(a, b, constant, scaled=True)
     tiles = _run(mod, host_target(), a, b, constant)
     vnni = _run(mod, VNNI, a, b, constant)
@@ -102,7 +90,7 @@ def test_same_bits_as_vnni_through_an_epilogue(name):
 
 def test_shapes_without_whole_tiles_keep_vnni():
     """A reduction of 40 (no whole 64-deep tile step) stays on ``vpdpbusd``, exact."""
-    a, b = _operands((32, 40), (40, 32), "uint8")
+    a, b = matmul_operands((32, 40), (40, 32), "uint8")
     mod = _module(a, b, True)
     expected = np.matmul(a.astype(np.int64), b.astype(np.int64))
     np.testing.assert_array_equal(_run(mod, host_target(), a, b, True), expected)

@@ -15,17 +15,9 @@ from rangeprof.profiler.compile.schedules import build
 from rangeprof.profiler.compile.schedules.activations import lower_vector_math
 from rangeprof.profiler.compile.schedules.normalization import schedule_normalization
 
+from relax_builders import single_input_module
+
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _module(shape, op):
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit_output(op(x))
-        bb.emit_func_output(y)
-    return bb.get()
 
 
 def _layer_norm(shape, seed=0):
@@ -44,7 +36,7 @@ def _layer_norm(shape, seed=0):
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
         return (x - mean) / np.sqrt(var + 1e-5) * gamma + beta
 
-    return _module(shape, op), ref
+    return single_input_module(shape, op), ref
 
 
 def _softmax(shape):
@@ -52,7 +44,7 @@ def _softmax(shape):
         e = np.exp(x.astype("float64") - x.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True)
 
-    return _module(shape, lambda x: relax.op.nn.softmax(x, axis=-1)), ref
+    return single_input_module(shape, lambda x: relax.op.nn.softmax(x, axis=-1)), ref
 
 
 def _run(mod, x):

@@ -18,17 +18,8 @@ from tvm import relax
 
 from rangeprof.profiler.compile.schedules import build, host_target, relax_pipeline
 
+from relax_builders import single_input_module
 from schedule_checks import assert_matches_onnxruntime, kernel_scripts, lowered, onnx_model
-
-
-def _module(shape, op):
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit_output(op(x))
-        bb.emit_func_output(y)
-    return bb.get()
 
 
 def _layer_norm(x):
@@ -53,8 +44,8 @@ def test_interleaved_rows_add_in_each_rows_order(op, width):
     """Rows reduced side by side give the bits of the same row reduced alone (16 partial sums,
     a reduced axis no lanes divide, one that one step of 8 lanes covers)."""
     x = (np.random.default_rng(0).normal(size=(8, width)) * 3).astype("float32")
-    together = _run(build(_module((8, width), op)), x)
-    alone = build(_module((1, width), op))
+    together = _run(build(single_input_module((8, width), op)), x)
+    alone = build(single_input_module((1, width), op))
     for row in range(8):
         assert np.array_equal(together[row : row + 1], _run(alone, x[row : row + 1]))
 
@@ -63,7 +54,7 @@ def test_interleaved_rows_add_in_each_rows_order(op, width):
 def test_partial_sums_stay_off_the_workspace(op):
     """The 16 partial sums of a row are a stack buffer (a register), not a ``local`` one that
     TVM would allocate from its workspace and LLVM keep in memory."""
-    program = relax_pipeline(host_target())(_module((128, 256), op))
+    program = relax_pipeline(host_target())(single_input_module((128, 256), op))
     script = "\n".join(kernel_scripts(program).values())
     assert "_rf" in script and 'scope="local"' not in script
 
@@ -78,7 +69,7 @@ def test_exp_is_vectorised_sixteen_wide():
     """exp's NaN test is integer arithmetic TVM's vectoriser knows: the whole approximation
     stays in the 16-lane vectors of the schedule (``T.isnan`` left the loop scalar, and LLVM
     vectorised it 8 wide)."""
-    ir = _llvm_ir(build(_module((64, 64), relax.op.exp)))
+    ir = _llvm_ir(build(single_input_module((64, 64), relax.op.exp)))
     assert re.search(r"fmul <16 x float>", ir)
     assert not re.search(r"<8 x float>", ir)
 
@@ -99,7 +90,7 @@ def test_masked_softmax_is_no_slower():
     rng = np.random.default_rng(1)
     scores = (rng.normal(size=shape) * 3).astype("float32")
     masked = np.where(np.triu(np.ones(shape[1:], bool), 1), -np.inf, scores).astype("float32")
-    vm = relax.VirtualMachine(build(_module(shape, _softmax)), tvm.cpu())
+    vm = relax.VirtualMachine(build(single_input_module(shape, _softmax)), tvm.cpu())
     args = [tvm.runtime.tensor(a) for a in (scores, masked)]
     out = vm["main"](args[1]).numpy()
     assert (out[:, np.triu(np.ones(shape[1:], bool), 1)] == 0).all()

@@ -44,7 +44,7 @@ from rangeprof.profiler.compile.schedules.elementwise import (
     inline_epilogue,
     unroll_vectorize_tile,
 )
-from rangeprof.profiler.compile.schedules.isa import VectorUnit, vector_unit
+from rangeprof.profiler.compile.schedules.isa import vector_unit
 from rangeprof.profiler.compile.schedules.pipeline import host_target
 from rangeprof.profiler.errors import RangeprofError
 
@@ -90,9 +90,10 @@ def dense_w4(data, packed, scales, *rest, group_size: int, columns: int, asymmet
     return out if blocks * nb == columns else first_columns(out, columns)
 
 
-def column_block(n: int, unit: VectorUnit) -> int:
-    """Output columns per packed block: two vectors where they divide ``n``, else one."""
-    return 2 * unit.lanes if n % (2 * unit.lanes) == 0 else unit.lanes
+def column_block(n: int, lanes: int) -> int:
+    """Output columns per packed block: two vectors of ``lanes`` where they divide ``n``, else
+    one."""
+    return 2 * lanes if n % (2 * lanes) == 0 else lanes
 
 
 def blocked(a: np.ndarray, nb: int) -> np.ndarray:
@@ -100,6 +101,12 @@ def blocked(a: np.ndarray, nb: int) -> np.ndarray:
     a = np.pad(a, ((0, 0), (0, -a.shape[1] % nb)))
     rows, n = a.shape
     return np.ascontiguousarray(a.reshape(rows, n // nb, nb).transpose(1, 0, 2))
+
+
+def padded_columns(values, nb: int) -> np.ndarray:
+    """A value per column ``[N]`` as float32, padded with zeros to a multiple of ``nb``."""
+    values = np.asarray(values, np.float32)
+    return np.pad(values, (0, -values.size % nb))
 
 
 def pack(q: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, nb: int) -> list:
@@ -154,10 +161,11 @@ def emit_dense_w4(
     q, scales = np.asarray(q), np.asarray(scales)
     check_operands(data, q, scales, zero_points, group_size, bias)
     n = q.shape[1]
-    nb = column_block(n, vector_unit(tvm.target.Target.current(allow_none=True) or host_target()))
+    unit = vector_unit(tvm.target.Target.current(allow_none=True) or host_target())
+    nb = column_block(n, unit.lanes)
     constants = pack(q, scales, None if zero_points is None else np.asarray(zero_points), nb)
     if bias is not None:
-        constants.append(np.pad(np.asarray(bias, np.float32), (0, -n % nb)))
+        constants.append(padded_columns(bias, nb))
     return bb.call_te(
         dense_w4,
         data,

@@ -55,7 +55,9 @@ from .dense_w4 import (
     SYMMETRIC_ZERO,
     blocked,
     check_operands,
+    column_block,
     emit_dense_w4,
+    padded_columns,
     schedule_dense_w4,
     static_loops,
 )
@@ -185,7 +187,7 @@ def pack(q, scales, zero_points, group_size: int, nb: int) -> list[np.ndarray]:
     out = [
         layout[:, 0::2] | (layout[:, 1::2] << 4),
         blocked(scales.astype(np.float32), nb),
-        np.pad(fix.astype(np.float32), (0, -fix.size % nb)),
+        padded_columns(fix, nb),
     ]
     if zero_points is not None:
         out.append(dot_layout(np.repeat(zero_points.astype(np.uint8), DEPTH, axis=0), nb))
@@ -225,11 +227,11 @@ def emit_dense_w4a8(
     if instruction is None or not rows_known:
         return emit_dense_w4(bb, data, q, scales, zero_points, group_size, bias)
     n = q.shape[1]
-    nb = 2 * instruction.lanes if n % (2 * instruction.lanes) == 0 else instruction.lanes
+    nb = column_block(n, instruction.lanes)
     zeros = None if zero_points is None else np.asarray(zero_points)
     constants = pack(q, scales, zeros, group_size, nb)
     if bias is not None:
-        constants.append(np.pad(np.asarray(bias, np.float32), (0, -n % nb)))
+        constants.append(padded_columns(bias, nb))
     quantized = bb.emit_te(
         quantize_rows, data, scales.shape[0] * group_size, primfunc_name_hint=QUANTIZE
     )

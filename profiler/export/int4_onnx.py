@@ -26,14 +26,14 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper, version_converter
+from onnx import TensorProto, helper, numpy_helper
 
 from rangeprof.profiler.calibrate.weight_only import Int4Weights
 from rangeprof.profiler.errors import RangeprofError
+from rangeprof.profiler.export.qdq_model import at_opset, fresh_name
 
 MS_DOMAIN = "com.microsoft"
 QDQ_OPSET = 21  # int4 / uint4 and blocked DequantizeLinear
-_DOMAINS = ("", "ai.onnx")
 # How one form replaces a chosen node: (node, its weights, the name of its data) -> new nodes.
 Replace = Callable[[onnx.NodeProto, Int4Weights, str], list[onnx.NodeProto]]
 
@@ -107,12 +107,7 @@ class _Rewrite:
             )
 
     def unique(self, name: str) -> str:
-        candidate, n = name, 0
-        while candidate in self.names:
-            n += 1
-            candidate = f"{name}_{n}"
-        self.names.add(candidate)
-        return candidate
+        return fresh_name(name, self.names)
 
     def add(self, tensor: onnx.TensorProto) -> str:
         tensor.name = self.unique(tensor.name)
@@ -260,22 +255,6 @@ def _with_dequantize(rewrite: _Rewrite) -> Replace:
     return replace
 
 
-def _at_opset(model: onnx.ModelProto, needed: int) -> onnx.ModelProto:
-    opset = next((o.version for o in model.opset_import if o.domain in _DOMAINS), None)
-    if opset is not None and opset < needed:
-        try:
-            model = version_converter.convert_version(model, needed)
-        except Exception as err:  # the converter raises bare RuntimeErrors from C++
-            detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RangeprofError(
-                f"int4 QDQ needs opset {needed}, and onnx cannot convert the model from opset "
-                f"{opset} ({detail}): export MatMulNBits instead"
-            ) from None
-    minimum = helper.find_min_ir_version_for([helper.make_opsetid("", needed)])
-    model.ir_version = max(model.ir_version, minimum)
-    return model
-
-
 def to_int4_qdq(
     model: onnx.ModelProto,
     layers: Mapping[str, Int4Weights],
@@ -286,6 +265,9 @@ def to_int4_qdq(
     :func:`to_matmul_nbits`."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    out = _at_opset(out, QDQ_OPSET)
+    out = at_opset(out, QDQ_OPSET, what="int4 QDQ", instead="export MatMulNBits instead")
+    # int4 tensors need the IR version of opset 21 whether or not the model was converted.
+    minimum = helper.find_min_ir_version_for([helper.make_opsetid("", QDQ_OPSET)])
+    out.ir_version = max(out.ir_version, minimum)
     rewrite = _Rewrite(out, layers, input_scales)
     return rewrite.run(_with_dequantize(rewrite))

@@ -93,12 +93,21 @@ def qdq_model(
             operands[name] = _operand(params[name])
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    out = _with_opset(out, _Rewriter(out.graph, params, static, operands).needed_opset())
+    needed = _Rewriter(out.graph, params, static, operands).needed_opset()
+    out = at_opset(
+        out,
+        needed,
+        what="per-channel or 16-bit QDQ",
+        instead="convert it yourself, or export per-tensor int8",
+    )
     _Rewriter(out.graph, params, static, operands).run()
     return out
 
 
-def _with_opset(model: onnx.ModelProto, needed: int) -> onnx.ModelProto:
+def at_opset(model: onnx.ModelProto, needed: int, what: str, instead: str) -> onnx.ModelProto:
+    """``model`` converted to opset ``needed``, its IR version raised to what that opset needs,
+    where its default domain is below it; else ``model`` as it is. A conversion onnx cannot do
+    is refused in one line: ``what`` needs the opset; do ``instead``."""
     opset = next((o.version for o in model.opset_import if o.domain in _DOMAINS), None)
     if opset is None or opset >= needed:
         return model
@@ -107,12 +116,22 @@ def _with_opset(model: onnx.ModelProto, needed: int) -> onnx.ModelProto:
     except Exception as err:  # the converter raises bare RuntimeErrors from C++
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RangeprofError(
-            f"per-channel or 16-bit QDQ needs opset {needed}, and onnx cannot convert the model "
-            f"from opset {opset} ({detail}): convert it yourself, or export per-tensor int8"
+            f"{what} needs opset {needed}, and onnx cannot convert the model from opset "
+            f"{opset} ({detail}): {instead}"
         ) from None
     minimum = helper.find_min_ir_version_for([helper.make_opsetid("", needed)])
     converted.ir_version = max(converted.ir_version, minimum)
     return converted
+
+
+def fresh_name(base: str, taken: set[str]) -> str:
+    """``base``, else ``base_1``, ``base_2``… whichever is first not in ``taken``; added to it."""
+    name, n = base, 0
+    while name in taken:
+        n += 1
+        name = f"{base}_{n}"
+    taken.add(name)
+    return name
 
 
 class _Rewriter:
@@ -218,12 +237,7 @@ class _Rewriter:
             self._bias(node, bias, quantized[0], quantized[1])
 
     def _unique(self, name: str) -> str:
-        candidate, n = name, 0
-        while candidate in self.names:
-            n += 1
-            candidate = f"{name}_{n}"
-        self.names.add(candidate)
-        return candidate
+        return fresh_name(name, self.names)
 
     def _pair_parameters(self, name: str, scale, zero) -> tuple[str, str]:
         """Initializers for a scale (float32) and a zero point (its integer type)."""
