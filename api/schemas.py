@@ -409,6 +409,7 @@ class EvaluationOut(EvaluationSummary):
 
 
 _QPARAMS_ID = "A stored qparams set of the run (`GET /api/runs/{id}/qparams`)."
+_STORED_SET = {"type": "integer"}
 
 
 class BuildOptions(QuantizeOptions):
@@ -416,13 +417,14 @@ class BuildOptions(QuantizeOptions):
     with the target's policy (``method``, ``percentile``), or a stored qparams set of the run.
     An accuracy budget needs evaluation data: see :class:`BuildUpload`."""
 
-    # One source of qparams: a stored set excludes method and percentile (also in the schema).
+    # One source of qparams: a stored set excludes method and percentile (also in the schema,
+    # where a null qparams_id is no stored set, as the route reads it).
     model_config = ConfigDict(
         json_schema_extra={
             "not": {
                 "anyOf": [
-                    {"required": ["qparams_id", "method"]},
-                    {"required": ["qparams_id", "percentile"]},
+                    {"required": ["qparams_id", other], "properties": {"qparams_id": _STORED_SET}}
+                    for other in ("method", "percentile")
                 ]
             }
         },

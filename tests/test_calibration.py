@@ -130,6 +130,15 @@ def test_percentile_asymmetric_cuts_both_tails():
     assert p.range[1] == pytest.approx(hi, abs=width + p.scale)
 
 
+def test_a_percentile_whose_mass_underflows_stays_finite():
+    """5e-324 % of the mass is 0 in float64: the range is still the data's edge, not 0/0 (a
+    NaN scale PostgreSQL refuses to store; schemathesis found it)."""
+    x = np.arange(-5000, 5000, dtype=np.float32)
+    options = CalibrationOptions(method="percentile", percentile=5e-324, scheme="sym")
+    p = qparams_for(entry(x), options)
+    assert math.isfinite(p.scale) and p.scale > 0
+
+
 def test_percentile_100_is_the_max():
     x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
     p = qp(x, method="percentile", percentile=100)

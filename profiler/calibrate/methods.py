@@ -474,7 +474,8 @@ def _folded(hist: Histogram, amax: float) -> tuple[list[int], float]:
 def _quantile(counts: Sequence[int], first_edge: float, width: float, fraction: float) -> float:
     """The value below which ``fraction`` of the mass lies, linear inside a bin."""
     cumulative = np.cumsum(np.asarray(counts, dtype=np.float64))
-    target = fraction * cumulative[-1]
+    # Never 0 (a fraction that underflows): the search then lands on a bin holding mass.
+    target = max(fraction * cumulative[-1], np.finfo(np.float64).tiny)
     k = min(int(np.searchsorted(cumulative, target)), len(counts) - 1)
     inside = (target - (cumulative[k] - counts[k])) / counts[k]
     return float(first_edge + (k + inside) * width)
