@@ -4,8 +4,9 @@ the uploaded file is then checked against the exact limit while it is read, and 
 the size its arrays unpack to (a small zip of zeros can unpack to gigabytes). Run options
 (samples, histogram bins, batch size): the defaults are the OpenAPI schema's ``maximum``; a
 server configured lower refuses more (422). A job's wall time: the worker stops it and fails it
-with the reason. Jobs queued per token: more is 429 until some have run. Uploads received at
-once (requests carrying file bytes): more is 503 with ``Retry-After``.
+with the reason. Jobs queued per token: more is 429 until some have run. File bytes received
+at once (each upload counts its Content-Length, or its route's limit when it sends none): more
+is 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Limits:
     max_batch_size: int = 4096
     max_job_seconds: float = 3600.0  # a run, evaluation or build, then it fails with the reason
     max_queued_per_token: int = 16  # jobs waiting for a worker: one token cannot starve others
-    max_concurrent_uploads: int = 8  # requests with file bytes being received and checked at once
+    max_upload_bytes: int = 2048 * MB  # file bytes being received and checked at once
 
 
 DEFAULT_LIMITS = Limits()
@@ -83,7 +84,7 @@ class BodyLimit:
 
     def __init__(self, app: ASGIApp, limits: Limits):
         self.app, self.limits = app, limits
-        self._uploads = 0  # upload requests in progress
+        self._in_flight = 0  # bytes of the uploads in progress
 
     def _limit(self, path: str) -> tuple[str, int]:
         if path == "/api/models":
@@ -107,27 +108,30 @@ class BodyLimit:
         if scope["method"] != "POST" or limit == _OTHER_BODIES:
             await self._receive(scope, receive, send, what, limit)
             return
-        # Each upload holds disk space and a thread while it is received and checked: past the
+        # Each upload holds disk space and memory while it is received and checked: past the
         # cap, a client retries rather than the server running out of either. What counts is a
-        # request carrying a file: a body past the form fields' slack (by its Content-Length),
-        # or a part naming a file as it arrives; a run of random samples carries none. The
-        # counter is only touched on the event loop's thread, so it needs no lock.
-        holds = False
+        # request carrying a file (a body past the form fields' slack by its Content-Length, or
+        # a part naming a file as it arrives; a run of random samples carries none), by its
+        # Content-Length, else the most its route takes. One upload alone is always received.
+        # The count is only touched on the event loop's thread, so it needs no lock.
+        size = int(length) if length.isdigit() else limit
+        holds = 0
 
         def carrying(file: bool) -> bool:
-            """Count the request once it shows a file; tell whether it counts."""
+            """Count the request's bytes once it shows a file; tell whether it counts."""
             nonlocal holds
             if holds or not file:
-                return holds
-            if self._uploads >= self.limits.max_concurrent_uploads:
+                return bool(holds)
+            if self._in_flight and self._in_flight + size > self.limits.max_upload_bytes:
                 raise HTTPException(
                     status.HTTP_503_SERVICE_UNAVAILABLE,
-                    f"the server is receiving {self._uploads} uploads; retry shortly",
+                    f"the server is receiving {self._in_flight / MB:.0f} MB of uploads, its "
+                    f"limit is {self.limits.max_upload_bytes / MB:.0f} MB; retry shortly",
                     headers={"Retry-After": "2"},
                 )
-            self._uploads += 1
-            holds = True
-            return holds
+            self._in_flight += size
+            holds = size
+            return True
 
         try:
             try:
@@ -138,8 +142,7 @@ class BodyLimit:
                 return
             await self._receive(scope, receive, send, what, limit, carrying)
         finally:
-            if holds:
-                self._uploads -= 1
+            self._in_flight -= holds
 
     async def _receive(
         self,

@@ -614,15 +614,20 @@ def serve(
     max_job_minutes: Annotated[
         float, typer.Option(min=0, help="Wall time of a run, evaluation or build; then it fails.")
     ] = 60,
-    max_uploads: Annotated[
-        int, typer.Option(min=1, help="Uploads received at once; more are told to retry (503).")
-    ] = 8,
+    max_upload_mb: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="File bytes received at once (each upload's Content-Length, else its route's "
+            "limit); more are told to retry (503).",
+        ),
+    ] = 2048,
     workers: Annotated[
         int,
         typer.Option(
             min=1,
             help="Server processes on the one database and storage, each with its --jobs and "
-            "--max-uploads.",
+            "--max-upload-mb.",
         ),
     ] = 1,
 ) -> None:
@@ -640,7 +645,7 @@ def serve(
         int(max_model_mb * MB),
         int(max_data_mb * MB),
         max_job_seconds=60 * max_job_minutes,
-        max_concurrent_uploads=max_uploads,
+        max_upload_bytes=int(max_upload_mb * MB),
     )
     options = {
         "storage": storage,

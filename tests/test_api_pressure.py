@@ -122,26 +122,37 @@ def test_a_1gb_data_upload_streams_through_bounded_server_memory(tmp_path):
             server.stop()
 
 
+def _held_upload(live, sized: bool):
+    """A model upload whose second half waits for ``release``: (thread, its responses, sending,
+    release); ``sized`` sends its Content-Length, else it is chunked."""
+    model = zoo_model("digits_cnn").read_bytes()
+    sending, release = threading.Event(), threading.Event()
+
+    def slow_parts() -> Iterator[bytes]:
+        sending.set()  # the request's headers are on the wire
+        yield model[: len(model) // 2]
+        release.wait(60)
+        yield model[len(model) // 2 :]
+
+    body = list(_multipart("file", b"m.onnx", iter([b""])))
+    size = sum(map(len, body)) + len(model)
+    parts = _multipart("file", b"m.onnx", slow_parts())
+    headers = {"Content-Type": f"multipart/form-data; boundary={_BOUNDARY}"}
+    if sized:
+        headers["Content-Length"] = str(size)
+    first: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: first.append(live.owner.post("/api/models", content=parts, headers=headers))
+    )
+    sender.start()
+    return sender, first, sending, release
+
+
 def test_uploads_past_the_cap_are_told_to_retry_while_reads_go_on(tmp_path):
-    with live_service("sqlite", tmp_path, Limits(max_concurrent_uploads=1), jobs=0) as live:
-        model = zoo_model("digits_cnn").read_bytes()
-        sending, release = threading.Event(), threading.Event()
-
-        def slow_parts() -> Iterator[bytes]:
-            sending.set()  # the request's headers are on the wire
-            yield model[: len(model) // 2]
-            release.wait(60)
-            yield model[len(model) // 2 :]
-
-        first: list[httpx.Response] = []
-        sender = threading.Thread(
-            target=lambda: first.append(
-                _post_streamed(
-                    live.owner, "/api/models", _multipart("file", b"m.onnx", slow_parts())
-                )
-            )
-        )
-        sender.start()
+    """A chunked upload counts the most its route takes (1 GB): any other is then over a cap of
+    1 MB."""
+    with live_service("sqlite", tmp_path, Limits(max_upload_bytes=MB), jobs=0) as live:
+        sender, first, sending, release = _held_upload(live, sized=False)
         # No probe before the first upload's request is out: a probe the server was receiving
         # when it arrived would have it refused (the cap at work), and the test would wait for
         # an upload that is not there.
@@ -157,13 +168,38 @@ def test_uploads_past_the_cap_are_told_to_retry_while_reads_go_on(tmp_path):
 
             busy = poll_until(refused, 30, 0.05, "the cap applies")
             assert busy.headers["retry-after"] == "2"
-            assert busy.json()["detail"] == "the server is receiving 1 uploads; retry shortly"
+            assert busy.json()["detail"] == (
+                "the server is receiving 1024 MB of uploads, its limit is 1 MB; retry shortly"
+            )
             assert live.owner.get("/api/models").status_code == 200  # reads are not uploads
         finally:
             release.set()
             sender.join()
         assert first[0].status_code == 201, first[0].text
         assert upload_model(live.stranger, zoo_model("digits_cnn")).status_code == 201
+
+
+def test_the_cap_counts_bytes_not_requests(tmp_path):
+    """Two uploads of 120 kB each fit a cap of 1 MB at once (a chunked one, counted as 1 GB,
+    does not: it shows when the first is being received)."""
+    model = zoo_model("digits_cnn").read_bytes()
+    with live_service("sqlite", tmp_path, Limits(max_upload_bytes=MB), jobs=0) as live:
+        sender, first, sending, release = _held_upload(live, sized=True)
+        assert sending.wait(30)
+        try:
+
+            def refused():
+                chunked = _multipart("file", b"probe.onnx", iter([model]))
+                busy = _post_streamed(live.stranger, "/api/models", chunked)
+                return busy if busy.status_code == 503 else None
+
+            poll_until(refused, 30, 0.05, "the first upload is being received")
+            second = upload_model(live.stranger, zoo_model("digits_cnn"))
+            assert second.status_code == 201, second.text
+        finally:
+            release.set()
+            sender.join()
+        assert first[0].status_code == 201, first[0].text
 
 
 def test_a_data_file_over_the_sample_limit_needs_a_count(tmp_path):
