@@ -89,12 +89,13 @@ class QuantizedModel:
         (:func:`~.policy.layer_weight_bits`, from the profile's moments of its input). Only
         dense convs and matmuls run faster on 7-bit weights (a dot product over input
         channels); depthwise and grouped convs keep 8. With ``weight_only``, every dense
-        layer's weights are 4-bit (``stats``: the document's dense inputs)."""
+        layer's weights are also given in 4 bits (``stats``: the document's dense inputs), its
+        default mode; its bits above stand when a plan raises it to 8."""
         fr = region.float_region
         if fr.weight is None or region.fallback:
             return region
         if self.weight_only is not None and fr.kind == MATMUL:
-            return replace(region, weight_bits=4, int4=self._int4(region, stats))
+            region = replace(region, int4=self._int4(region, stats))
         if self.plugin.policy.weight_bits is not None:
             return region
         bits = 8
