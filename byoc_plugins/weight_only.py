@@ -22,6 +22,7 @@ from rangeprof.profiler.calibrate.smoothing import (
     Choice,
     DenseInput,
     SmoothingPlan,
+    per_tensor_range,
     smoothed_range,
 )
 from rangeprof.profiler.calibrate.weight_only import (
@@ -81,9 +82,7 @@ def plan_awq(
             plan.skipped[profile_id] = "no per-channel statistics that fit its weights"
             continue
         awq = choose_awq(x, weights, weight_only.group_size, weight_only.symmetric)
-        lo, hi = smoothed_range(x, awq.scales)
-        finite = ~np.isnan(lo)
-        span = (float(lo[finite].min()), float(hi[finite].max())) if finite.any() else (0.0, 0.0)
+        span = per_tensor_range(*smoothed_range(x, awq.scales))
         plan.choices[profile_id] = Choice(
             awq.alpha, awq.scales, awq.error, awq.unscaled, awq.errors, span
         )

@@ -134,6 +134,18 @@ class Rangeprof:
                 found.append(int(stat.parent.name))
         return found
 
+    def children_running(self, marker: bytes) -> list[int]:
+        """Its child processes whose command line holds ``marker``."""
+        found = []
+        for pid in self.children():
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker in command:
+                found.append(pid)
+        return found
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait()
@@ -141,6 +153,96 @@ class Rangeprof:
     def stop(self) -> int:
         self.process.terminate()
         return self.process.wait(timeout=60)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped by its new parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def rss(pid: int) -> int:
+    """The resident memory of ``pid`` in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@dataclass
+class Peak:
+    """The resident memory of a process before and at its highest while watched."""
+
+    baseline: int
+    peak: int
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.baseline
+
+
+@contextmanager
+def rss_peak(pid: int) -> Iterator[Peak]:
+    """Samples ``pid``'s resident memory every 10 ms while the block runs."""
+    seen = Peak(rss(pid), rss(pid))
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            seen.peak = max(seen.peak, rss(pid))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join()
+
+
+@contextmanager
+def connections_killed(url: str, every: float) -> Iterator[list[int]]:
+    """PostgreSQL terminates every connection to ``url``'s database each ``every`` seconds
+    while the block runs; yields how many it killed each time."""
+    name = url.rsplit("/", 1)[1]
+    stop, kills = threading.Event(), []
+
+    def kill() -> None:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            while not stop.wait(every):
+                killed = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (name,),
+                ).fetchone()[0]
+                kills.append(killed)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    try:
+        yield kills
+    finally:
+        stop.set()
+        killer.join()
+
+
+@contextmanager
+def connections_refused(url: str) -> Iterator[None]:
+    """PostgreSQL takes no connection to ``url``'s database (those open are ended) while the
+    block runs."""
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+        )
+        try:
+            yield
+        finally:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
 
 
 def serve(url: str, storage: Path, port: int, log: Path, *options: str) -> Rangeprof:

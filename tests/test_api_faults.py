@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import psycopg
 import pytest
 from sqlalchemy import delete, func, select
 
@@ -39,10 +38,11 @@ import onnx_builders as mb
 from conftest import poll_until, zoo_model
 from service_fixtures import (
     BACKENDS,
-    PG_ADMIN,
     Rangeprof,
     ThreadServer,
     client,
+    connections_killed,
+    connections_refused,
     database,
     free_port,
     live_service,
@@ -83,29 +83,12 @@ def test_runs_survive_database_connections_killed_every_half_second(tmp_path):
     with live_service("postgresql", tmp_path, Limits(), jobs=3) as live:
         model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
         runs = [start_run(live.owner, model, random="3000")["id"] for _ in range(3)]
-        name = live.url.rsplit("/", 1)[1]
-        stop, kills, seen = threading.Event(), [], set()
-
-        def kill() -> None:
-            with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-                while not stop.wait(0.5):
-                    killed = admin.execute(
-                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                        "WHERE datname = %s AND pid <> pg_backend_pid()",
-                        (name,),
-                    ).fetchone()[0]
-                    kills.append(killed)
-
-        killer = threading.Thread(target=kill)
-        killer.start()
-        try:
+        seen = set()
+        with connections_killed(live.url, 0.5) as kills:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
                 seen |= {(r, (_run(live.owner, r) or {}).get("status")) for r in runs}
                 time.sleep(0.5)
-        finally:
-            stop.set()
-            killer.join()
         ended = [_ended(live.owner, run_id) for run_id in runs]
         assert sum(kills) > 20, kills  # connections were in fact killed under the jobs
         assert {(r, "running") for r in runs} <= seen  # each ran while they were
@@ -116,17 +99,8 @@ def test_runs_survive_database_connections_killed_every_half_second(tmp_path):
 def _outage(backend: str, url: str) -> Iterator[None]:
     """The database away (PostgreSQL: no connections; SQLite: locked by another writer)."""
     if backend == "postgresql":
-        name = url.rsplit("/", 1)[1]
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-                (name,),
-            )
-            try:
-                yield
-            finally:
-                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        with connections_refused(url):
+            yield
         return
     with sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None) as locker:
         locker.execute("BEGIN EXCLUSIVE")
@@ -494,15 +468,7 @@ def test_two_server_processes_share_one_database_and_storage(tmp_path):
 
 def _servers(server: Rangeprof) -> list[int]:
     """The server processes of ``serve --workers N`` (started by multiprocessing's spawn)."""
-    found = []
-    for pid in server.children():
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in command:
-            found.append(pid)
-    return found
+    return server.children_running(b"spawn_main")
 
 
 def _race_uploads_and_deletes(api: httpx.Client, model: Path) -> None:

@@ -10,7 +10,6 @@ import zipfile
 from dataclasses import dataclass
 
 import numpy as np
-import psycopg
 import pytest
 from onnx import TensorProto, helper
 
@@ -20,8 +19,8 @@ import onnx_builders as mb
 from conftest import zoo_model
 from service_fixtures import (
     BACKENDS,
-    PG_ADMIN,
     Live,
+    connections_refused,
     live_service,
     npz_bytes,
     row_counts,
@@ -314,19 +313,10 @@ def test_a_lost_database_is_503_and_the_server_recovers(tmp_path):
     Retry-After (not 500); once it takes connections again, the same server serves."""
     with live_service("postgresql", tmp_path, LIMITS, jobs=0) as live:
         model_id = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
-        name = live.url.rsplit("/", 1)[1]
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-                (name,),
-            )
-            try:
-                response = live.owner.get(f"/api/models/{model_id}")
-                assert response.status_code == 503, response.text
-                assert response.headers["retry-after"] == "5"
-                assert "database is unavailable" in response.json()["detail"]
-            finally:
-                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        with connections_refused(live.url):
+            response = live.owner.get(f"/api/models/{model_id}")
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "5"
+            assert "database is unavailable" in response.json()["detail"]
         # Stale pooled connections are replaced on checkout (pre-ping): no error after.
         assert live.owner.get(f"/api/models/{model_id}").status_code == 200

@@ -22,10 +22,12 @@ import onnx_builders as mb
 from conftest import poll_until, zoo_model
 from service_fixtures import (
     Rangeprof,
+    alive,
     client,
     free_port,
     npz_bytes,
     rangeprof,
+    rss_peak,
     serve,
     start_run,
     upload_model,
@@ -44,24 +46,9 @@ def _served(tmp_path: Path, *options: str) -> tuple[Rangeprof, httpx.Client]:
     return server, client(f"http://127.0.0.1:{port}", token)
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def _analyses(server: Rangeprof) -> list[int]:
     """The server's analysis processes (at work or ready)."""
-    found = []
-    for pid in server.children():
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"rangeprof.service.analysis" in command:
-            found.append(pid)
-    return found
+    return server.children_running(b"rangeprof.service.analysis")
 
 
 def _analysing(server: Rangeprof) -> list[int] | None:
@@ -69,14 +56,6 @@ def _analysing(server: Rangeprof) -> list[int] | None:
     one started to be ready for the next upload."""
     found = _analyses(server)
     return found if len(found) >= 2 else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _deep_chain(folder: Path, length: int = 20_000) -> Path:
@@ -123,27 +102,13 @@ def test_a_labels_bomb_is_refused_by_its_header_in_bounded_server_memory(tmp_pat
         assert warm.status_code == 400, warm.text
         assert warm.json()["detail"] == "few.npz:labels: 4 labels for 16 samples"
 
-        baseline = peak = _rss(server.process.pid)
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            while not done.wait(0.01):
-                peak = max(peak, _rss(server.process.pid))
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            with bomb.open("rb") as labels:
-                refused = api.post(evaluations, files={"data": data, "labels": labels})
-        finally:
-            done.set()
-            sampler.join()
+        with rss_peak(server.process.pid) as memory, bomb.open("rb") as labels:
+            refused = api.post(evaluations, files={"data": data, "labels": labels})
         assert refused.status_code == 413, refused.text
         assert refused.json()["detail"] == (
             "labels.npz:labels: 201326592 labels, over this server's limit of 1000000"
         )
-        assert peak - baseline < 100 * MB, f"RSS grew by {(peak - baseline) / MB:.0f} MB"
+        assert memory.growth < 100 * MB, f"RSS grew by {memory.growth / MB:.0f} MB"
         assert api.get(evaluations).json() == []
     finally:
         api.close()
@@ -237,7 +202,7 @@ def test_sigterm_during_an_analysis_stops_the_server_within_seconds(tmp_path, jo
     try:
         analyses = poll_until(lambda: _analysing(server), 60, what="the analysis starts")
         time.sleep(5)  # the chain is being tracked: seconds of CPU in its process
-        assert any(map(_alive, analyses))
+        assert any(map(alive, analyses))
         server.process.terminate()
         code = server.process.wait(timeout=20)
     finally:
@@ -246,7 +211,7 @@ def test_sigterm_during_an_analysis_stops_the_server_within_seconds(tmp_path, jo
         sender.join()
         api.close()
     assert code in (0, -15), server.log.read_text()
-    poll_until(lambda: not any(map(_alive, analyses)), 10, what="the analyses end")
+    poll_until(lambda: not any(map(alive, analyses)), 10, what="the analyses end")
     answer = answers[0]
     if isinstance(answer, httpx.Response):
         assert answer.status_code == 503, answer.text

@@ -12,19 +12,19 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import psycopg
 
 from rangeprof.service.limits import MB, Limits
 
 import onnx_builders as mb
 from conftest import poll_until, zoo_model
 from service_fixtures import (
-    PG_ADMIN,
     client,
+    connections_killed,
     database,
     free_port,
     live_service,
     rangeprof,
+    rss_peak,
     serve,
     upload_model,
     write_calib,
@@ -69,13 +69,6 @@ def _write_npz(path: Path, samples: int, width: int) -> None:
             member.write(chunk[: samples - start].tobytes())
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_1gb_data_upload_streams_through_bounded_server_memory(tmp_path):
     """A 1000 MB .npz goes to a `rangeprof serve` process and is received, hashed, stored and
     read through for its check: the server's resident memory grows by less than 64 MB."""
@@ -98,25 +91,11 @@ def test_a_1gb_data_upload_streams_through_bounded_server_memory(tmp_path):
             with small.open("rb") as f:
                 warm = api.post(runs, files={"data": f}, data={"key": "calib"})
             assert warm.status_code == 202, warm.text
-            baseline = peak = _rss(server.process.pid)
-            done = threading.Event()
-
-            def sample() -> None:
-                nonlocal peak
-                while not done.wait(0.01):
-                    peak = max(peak, _rss(server.process.pid))
-
-            sampler = threading.Thread(target=sample)
-            sampler.start()
-            try:
-                with data.open("rb") as f:
-                    response = api.post(runs, files={"data": f}, data={"key": "calib"}, timeout=600)
-            finally:
-                done.set()
-                sampler.join()
+            with rss_peak(server.process.pid) as memory, data.open("rb") as f:
+                response = api.post(runs, files={"data": f}, data={"key": "calib"}, timeout=600)
             assert response.status_code == 202, response.text
             assert response.json()["data"]["name"] == "big.npz"
-            assert peak - baseline < 64 * MB, f"RSS grew by {(peak - baseline) / MB:.0f} MB"
+            assert memory.growth < 64 * MB, f"RSS grew by {memory.growth / MB:.0f} MB"
             api.close()
         finally:
             server.stop()
@@ -240,23 +219,8 @@ def test_reads_survive_database_connections_killed_under_them(tmp_path):
     with live_service("postgresql", tmp_path, Limits(), jobs=0) as live:
         model = upload_model(live.owner, zoo_model("digits_cnn")).json()["id"]
         run = live.owner.post(f"/api/models/{model}/runs", data={"random": "2"}).json()["id"]
-        name = live.url.rsplit("/", 1)[1]
-        stop, kills = threading.Event(), []
-
-        def kill() -> None:
-            with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-                while not stop.wait(0.05):
-                    killed = admin.execute(
-                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                        "WHERE datname = %s AND pid <> pg_backend_pid()",
-                        (name,),
-                    ).fetchone()[0]
-                    kills.append(killed)
-
-        killer = threading.Thread(target=kill)
-        killer.start()
         statuses = []
-        try:
+        with connections_killed(live.url, 0.05) as kills:
             for _ in range(60):
                 for path in (
                     f"/api/models/{model}",
@@ -266,8 +230,5 @@ def test_reads_survive_database_connections_killed_under_them(tmp_path):
                     "/api/token",
                 ):
                     statuses.append(live.owner.get(path).status_code)
-        finally:
-            stop.set()
-            killer.join()
         assert sum(kills) > 20  # connections were in fact killed under the reads
         assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}

@@ -10,7 +10,6 @@ and a ``rangeprof worker`` executes them.
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -20,6 +19,7 @@ from conftest import poll_until, zoo_model
 from service_fixtures import (
     BACKENDS,
     Rangeprof,
+    alive,
     client,
     database,
     free_port,
@@ -31,15 +31,6 @@ from service_fixtures import (
     wait_for_run,
     write_calib,
 )
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not reaped by its new parent, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -76,7 +67,7 @@ def test_restart_keeps_everything_and_fails_the_interrupted_run(backend, tmp_pat
             for process in processes:
                 process.kill()
         assert children, "the run executes in a child process"
-        poll_until(lambda: not any(map(_alive, children)), 20, what="the run ends with its worker")
+        poll_until(lambda: not any(map(alive, children)), 20, what="the run ends with its worker")
 
         processes = start()
         try:

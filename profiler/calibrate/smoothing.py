@@ -147,7 +147,8 @@ def smoothed_range(x: DenseInput, s: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return x.lo / s, x.hi / s
 
 
-def _per_tensor(lo: np.ndarray, hi: np.ndarray) -> tuple[float, float]:
+def per_tensor_range(lo: np.ndarray, hi: np.ndarray) -> tuple[float, float]:
+    """The range of a tensor from its channels' (NaN: a channel without finite values)."""
     if np.all(np.isnan(lo)):
         return 0.0, 0.0
     return float(np.nanmin(lo)), float(np.nanmax(hi))
@@ -156,7 +157,7 @@ def _per_tensor(lo: np.ndarray, hi: np.ndarray) -> tuple[float, float]:
 def clipping(x: DenseInput, s: np.ndarray, grid: Grid) -> np.ndarray:
     """Each channel's expected squared clipping error per value (in ``X``'s units) on new data,
     the smoothed tensor quantized on ``grid`` over its calibrated range (the module doc)."""
-    lo, hi = _per_tensor(*smoothed_range(x, s))
+    lo, hi = per_tensor_range(*smoothed_range(x, s))
     if grid.activation_scheme == "asym":
         top, bottom = max(hi, 0.0), min(lo, 0.0)
     else:
@@ -181,7 +182,7 @@ def estimate_error(x: DenseInput, weight: np.ndarray, s: np.ndarray, grid: Grid)
     is ``[K, N]``: every layer reading ``X``, side by side."""
     weight = weight.astype(np.float64)
     w = weight * s[:, None]
-    step_x = grid.activation_step(*_per_tensor(*smoothed_range(x, s)))
+    step_x = grid.activation_step(*per_tensor_range(*smoothed_range(x, s)))
     step_w = np.abs(w).max(axis=0) / grid.weight_max
     activations = step_x**2 / 12.0 * (w**2).sum(axis=0)
     weights = step_w**2 / 12.0 * (x.channel_mean_squares() / s**2).sum()
@@ -220,8 +221,8 @@ def choose(
         errors[alpha] = estimate_error(x, weight, scales[alpha], grid)
     best = min(errors, key=errors.__getitem__, default=None)
     if best is None or not errors[best] < unsmoothed:
-        return Choice(None, ones, unsmoothed, unsmoothed, errors, _per_tensor(x.lo, x.hi))
-    chosen = _per_tensor(*smoothed_range(x, scales[best]))
+        return Choice(None, ones, unsmoothed, unsmoothed, errors, per_tensor_range(x.lo, x.hi))
+    chosen = per_tensor_range(*smoothed_range(x, scales[best]))
     return Choice(best, scales[best], errors[best], unsmoothed, errors, chosen)
 
 

@@ -45,6 +45,9 @@ STORED, MEASURED = "stored", "measured"
 METRICS = ("top1", "bpc")
 
 
+LAYER_MODES = ("int8", "int16", "fp32")
+
+
 def _layer_mode(entry: str) -> str:
     pattern, _, mode = entry.rpartition("=")
     if not pattern or mode not in LAYER_MODES:
@@ -54,7 +57,6 @@ def _layer_mode(entry: str) -> str:
     return entry
 
 
-LAYER_MODES = ("int8", "int16", "fp32")
 LayerMode = Annotated[str, AfterValidator(_layer_mode)]
 
 
