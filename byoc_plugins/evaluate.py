@@ -396,7 +396,9 @@ def fit_budget(
     FP32 is the last resort. Each region climbs its ladder one rung at a time and the search
     moves on to the next region once a rung lowers the drop: a 4-bit layer to 8 bits, then
     int16 activations where the policy has them, then FP32 — int16 removes rounding error, not
-    the clipping of a badly calibrated range (which FP32 removes). ``start``: the profileIDs
+    the clipping of a badly calibrated range (which FP32 removes). A region no rung helps on its
+    own keeps its lowest-drop rung, the narrowest on a tie: its error may only show once its
+    neighbours are widened too. ``start``: the profileIDs
     already widened, by mode (a plan the search goes on from)."""
     compiled = {} if compiled is None else compiled
     kept = {m: frozenset((start or {}).get(m, ())) for m in (INT8, INT16, FP32)}
@@ -417,13 +419,14 @@ def fit_budget(
     for profile_id in [e.profile_id for e in result.ranked()]:
         if result.drop <= budget:
             break
-        previous = result
+        best = None
         for mode in ladders.get(profile_id, (FP32,)):
             tried, widened = trial(mode, profile_id)
-            if widened.drop < result.drop or (mode == FP32 and result is previous):
-                kept, result = tried, widened
-            if result.drop < previous.drop:
+            if best is None or widened.drop < best[1].drop:
+                best = tried, widened
+            if widened.drop < result.drop:
                 break
+        kept, result = best
     return result
 
 

@@ -323,18 +323,25 @@ def test_digits_regions_follow_lineage_and_stay_int8_between_regions(digits_prof
     )
     boundaries = [(r.input.profile_id, r.output_id) for r in qm.regions]
     # The channel scale after block 1 folded backward into conv 1: its output is /Mul's tensor.
+    # x86 smooths both dense layers' inputs (SmoothQuant): derived IDs that name their source.
     assert boundaries == [
         ("input:image", "/Mul"),
         ("/Mul", "/Relu_1"),
         ("/MaxPool", "/Relu_2"),
-        ("/Flatten", "/Relu_3"),
-        ("/Relu_3", "/fc2/Gemm#2"),
+        ("/Flatten#smoothed", "/Relu_3"),
+        ("/Relu_3#smoothed", "/fc2/Gemm#2"),
+    ]
+    assert [qm.smoothing.source(r.input.profile_id)[0] for r in qm.regions[3:]] == [
+        "/Flatten",
+        "/Relu_3",
     ]
     assert "/b1/BatchNormalization#0" in qm.regions[0].profile_ids
     text = qm.lower()[0]["main"].script()
     # Chained regions stay 8-bit; quantize only before a region that follows FP32 (the input,
-    # max pool, mean + reshape). Outputs read by FP32 leave as scaled accumulators.
-    assert text.count("R.quantize(") == 3 and text.count("R.dequantize(") == 0
+    # max pool, mean + reshape + smoothing multiply, and /Relu_3's smoothing multiply: a ReLU
+    # output's scales are inserted, not folded into its producer). Outputs read by FP32 leave
+    # as scaled accumulators.
+    assert text.count("R.quantize(") == 4 and text.count("R.dequantize(") == 0
     assert "def main(" in text
 
 
