@@ -3,7 +3,8 @@
 The model is lowered the way ``build`` lowers it (FP32, or with ``--int8`` the x86 plugin's
 INT8 program on a profile of random samples), each PrimFunc that ``main`` calls is compiled
 alone and timed with ``time_evaluator`` on random arguments of its call's shapes, and the
-kernels are listed by their share of one inference (time × calls), with the host's target.
+kernels are listed by their share of one inference (time × calls), with the build's target
+(``RANGEPROF_X86_MCPU`` names another CPU, to time its kernels on this host).
 A kernel far slower than its neighbours' work is a schedule that did not apply; that is how
 PP-OCRv4 rec's 6625-class dense (15 of 31 ms, packed five columns wide) was found. Run::
 
@@ -36,7 +37,6 @@ from rangeprof.byoc.cpu import integer_rules  # noqa: E402
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
 from rangeprof.byoc.x86 import isa as x86_isa  # noqa: E402
 from rangeprof.byoc.quantized import qparams_from_profile, quantize_model  # noqa: E402
-from rangeprof.profiler.compile.schedules import host_target  # noqa: E402
 from rangeprof.profiler.compile.schedules.pipeline import relax_pipeline  # noqa: E402
 from rangeprof.profiler.ir.bindings import tensor_dtype, tensor_shape  # noqa: E402
 from rangeprof.profiler.ir.importer import import_onnx  # noqa: E402
@@ -44,9 +44,14 @@ from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noq
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model  # noqa: E402
 
 
+def build_target() -> tvm.target.Target:
+    """The x86 plugin's CPU (this host's, or ``RANGEPROF_X86_MCPU``), for FP32 and INT8 alike."""
+    return get_plugin("x86").target()
+
+
 def lowered(path: Path, shapes: dict, int8: bool) -> tvm.IRModule:
     """The module ``build`` would hand to code generation: ``main`` calling its PrimFuncs."""
-    target = host_target()
+    target = build_target()
     if not int8:
         return relax_pipeline(target)(import_onnx(load_model(path, shapes)).mod)
     x86 = get_plugin("x86")
@@ -73,11 +78,10 @@ def kernel_calls(mod: tvm.IRModule) -> tuple[collections.Counter, dict]:
     return calls, arguments
 
 
-def kernel_ms(func: tirx.PrimFunc, arguments: list, repeat: int) -> float | None:
+def kernel_ms(func: tirx.PrimFunc, arguments: list, repeat: int, target) -> float | None:
     """Median milliseconds of one call on random arguments; None for a dynamic shape."""
     if any(shape is None for shape, _ in arguments):
         return None
-    target = host_target()
     kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
     rng = np.random.default_rng(0)
     device = tvm.cpu()
@@ -106,11 +110,11 @@ def main() -> None:
     calls, arguments = kernel_calls(mod)
     rows = []
     for name, count in calls.items():
-        ms = kernel_ms(mod[name], arguments[name], args.repeat)
+        ms = kernel_ms(mod[name], arguments[name], args.repeat, build_target())
         rows.append((None if ms is None else ms * count, ms, count, name))
     timed = sorted((r for r in rows if r[0] is not None), reverse=True)
     total = sum(r[0] for r in timed)
-    print(f"target {host_target()}")
+    print(f"target {build_target()}")
     print(f"{len(rows)} kernels, {total:.3f} ms per inference in those timed")
     for share, ms, count, name in timed[: args.top]:
         print(f"{share:8.3f} ms {100 * share / total:5.1f} %  {ms:8.3f} × {count:<3} {name}")

@@ -72,11 +72,13 @@ HEADERS = Path("/usr/include")
 INPUT, WINDOW = "input_ids", 128
 SHAPES = {INPUT: (1, WINDOW)}
 GROUPS = (32, 64)
-# The options the issue compares (SmoothQuant off, 4-bit weights), run when no --variant is given.
+# The options the issue compares (SmoothQuant off, 4-bit weights, W4A8), run when no --variant
+# is given.
 DEFAULT_VARIANTS = (
     "nosmooth:smooth_quant=false",
     "w4g32:weight_bits=4,group_size=32",
     "w4g64:weight_bits=4,group_size=64",
+    "w4a8g32:weight_bits=4,group_size=32,int4_activations=int8",
 )
 
 

@@ -47,6 +47,8 @@ class Plugin:
     options: dict = field(default_factory=dict)
     # Emits a dense layer on 4-bit weights (:data:`~.lowering.DenseW4`); None: no such kernel
     dense_w4: Callable | None = None
+    # The same with its activations quantized to 8 bits per row at run time (W4A8)
+    dense_w4a8: Callable | None = None
 
 
 def get_plugin(name: str, weight_bits: int | None = None) -> Plugin:

@@ -54,9 +54,10 @@ class QuantizedModel:
     def lower(self, modes: dict[str, str] | None = None, expose: bool = False):
         """The lowered module and the profileIDs of its exposed outputs (:func:`lower`)."""
         plugin = self.plugin
+        w4a8 = self.weight_only is not None and self.weight_only.activations == "int8"
         return lower(
             self.partitioned, self.regions, plugin.policy, modes, expose, plugin.external,
-            plugin.dense_w4,
+            plugin.dense_w4a8 if w4a8 else plugin.dense_w4,
         )  # fmt: skip
 
     def replanned(

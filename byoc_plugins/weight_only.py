@@ -4,7 +4,9 @@ statistics (:mod:`rangeprof.profiler.calibrate.weight_only` has the numerics).
 
 Every dense region (a matmul with a constant weight) keeps its activations in FP32 and its
 weights in groups of ``group_size`` 4-bit codes along the axis it sums over; the target's
-``dense_w4`` kernel decodes them in registers. Other regions (convolutions, attention's batch
+``dense_w4`` kernel decodes them in registers (``activations="int8"``: its ``dense_w4a8``
+kernel, which quantizes the activations per row at run time and multiplies on the integer
+dot-product instruction). Other regions (convolutions, attention's batch
 matmuls) stay INT8 as the target quantizes them. A tensor read by dense layers is scaled as AWQ
 does where the stored statistics say the 4-bit error drops (the same rewrite as SmoothQuant's,
 :mod:`.smoothing`), and each layer's clipping is searched with its input's per-channel
@@ -34,6 +36,7 @@ from rangeprof.profiler.calibrate.weight_only import (
 from rangeprof.profiler.errors import RangeprofError
 
 WEIGHT_ONLY_BITS = 4
+INT4_ACTIVATIONS = ("fp32", "int8")  # a 4-bit dense layer's activations: as given, or W4A8
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class WeightOnly:
 
     group_size: int = 32
     symmetric: bool = False
+    activations: str = INT4_ACTIVATIONS[0]
 
     def __post_init__(self):
         if self.group_size not in GROUP_SIZES:
@@ -64,6 +68,7 @@ class WeightOnly:
             "bits": WEIGHT_ONLY_BITS,
             "group_size": self.group_size,
             "scheme": "sym" if self.symmetric else "asym",
+            "activations": self.activations,
         }
 
 

@@ -55,7 +55,12 @@ def test_every_dense_layer_is_4_bit_and_the_attention_stays_int8(w4):
     assert modes["matmul"] == {"w4"} and modes["batch_matmul"] == {"int8"}
     dense = [r for r in w4.manifest.regions if r.op == "matmul"]
     assert all(r.weight.dtype == "int4" and r.weight.group_size == 32 for r in dense)
-    assert w4.manifest.weight_only == {"bits": 4, "group_size": 32, "scheme": "asym"}
+    assert w4.manifest.weight_only == {
+        "bits": 4,
+        "group_size": 32,
+        "scheme": "asym",
+        "activations": "fp32",
+    }
 
 
 def test_inputs_are_scaled_by_the_4_bit_error(w4):
@@ -71,6 +76,19 @@ def test_the_outputs_stay_near_fp32_and_awq_halves_the_error(model, profile, w4,
     unscaled = rangeprof.build(model, profile, method="max", weight_bits=4, smooth_quant=False)
     assert 0 < error < 0.1
     assert error < 0.7 * _error(unscaled, held_out)
+
+
+def test_int8_activations_take_the_w4a8_kernel_and_stay_close(model, profile, w4, held_out):
+    """W4A8 adds the activations' per-row 8-bit rounding to the 4-bit weights' error: a
+    little, on the kernel of its own (the library holds it, the FP32-activation one not)."""
+    w4a8 = rangeprof.build(
+        model, profile, method="max", weight_bits=4, group_size=32, int4_activations="int8"
+    )
+    assert w4a8.manifest.weight_only["activations"] == "int8"
+    assert b"dense_w4a8" in (w4a8.folder / w4a8.manifest.library).read_bytes()
+    assert b"dense_w4a8" not in (w4.folder / w4.manifest.library).read_bytes()
+    error, fp32_activations = _error(w4a8, held_out), _error(w4, held_out)
+    assert error != fp32_activations and error < 1.5 * fp32_activations
 
 
 def test_a_coarser_group_costs_accuracy(model, profile, w4, held_out):

@@ -24,12 +24,13 @@ from .conv2d_int8 import is_integer, schedule_conv2d_int8
 from .dense_int8 import legalize_matmul_int8, schedule_dense_int8, schedule_pack
 from .dense_w4 import emit_dense_w4
 from .dense_w4a8 import SCHEDULES as W4_SCHEDULES
+from .dense_w4a8 import emit_dense_w4a8
 from .dot import lower_dot_blocks
 from .isa import Isa
 from .prepare import pad_int8_channels, untranspose_quantize
 from .requantize import fold_bias, legalize_multiply, legalize_right_shift
 
-__all__ = ["Isa", "build", "emit_dense_w4", "integer_rules"]
+__all__ = ["Isa", "build", "emit_dense_w4", "emit_dense_w4a8", "integer_rules"]
 
 
 def _integer(legalize, isa: Isa):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from functools import partial
 
 import tvm
 
@@ -70,6 +71,7 @@ PLUGIN = Plugin(
     target=host_target,
     compile=compile_host,
     dense_w4=cpu.emit_dense_w4,
+    dense_w4a8=partial(cpu.emit_dense_w4a8, isa=ISA),
 )
 """x86's plugin for this machine (the environment not read)."""
 
@@ -90,4 +92,5 @@ def make_plugin(mcpu: str | None = None) -> Plugin:
         compile=lambda mod: cpu.build(mod, target, ISA, fold_scales=False),
         options={"mcpu": mcpu},
         dense_w4=cpu.emit_dense_w4,
+        dense_w4a8=partial(cpu.emit_dense_w4a8, isa=ISA),
     )

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from rangeprof.byoc.policy import TARGETS, WEIGHT_BITS
-from rangeprof.byoc.weight_only import WEIGHT_ONLY_BITS
+from rangeprof.byoc.weight_only import INT4_ACTIVATIONS, WEIGHT_ONLY_BITS
 from rangeprof.profiler.calibrate.methods import CHOICES, DTYPES, GRANULARITIES, SCHEMES
 from rangeprof.profiler.calibrate.weight_only import GROUP_SIZES
 from rangeprof.profiler.errors import RangeprofError
@@ -39,6 +39,7 @@ EVERY_METHOD = "all"  # evaluate: every method, the best reported
 Scheme = Literal[SCHEMES]
 Dtype = Literal[tuple(DTYPES)]
 Granularity = Literal[GRANULARITIES]
+Int4Activations = Literal[INT4_ACTIVATIONS]
 STORED, MEASURED = "stored", "measured"
 
 
@@ -188,6 +189,13 @@ class QuantizeOptions(Options):
     )
     int4_scheme: Scheme = Field(
         "asym", description="With 4-bit weights: each group's grid, asym (a zero point) or sym."
+    )
+    int4_activations: Int4Activations = Field(
+        "fp32",
+        description="With 4-bit weights: the dense layers' activations, fp32 (W4A16-style: "
+        "the closer to FP32) or int8 (W4A8: quantized per row at run time and multiplied on "
+        "the integer dot-product instruction, some 2x faster on x86; fp32 where the CPU has "
+        "none).",
     )
     smooth_quant: bool | None = Field(
         None,

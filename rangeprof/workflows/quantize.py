@@ -199,7 +199,7 @@ def _weight_only(request: QuantizeRequest):
 
     if request.weight_bits != WEIGHT_ONLY_BITS:
         return None
-    return WeightOnly(request.group_size, request.int4_scheme == "sym")
+    return WeightOnly(request.group_size, request.int4_scheme == "sym", request.int4_activations)
 
 
 def _replanned(request: QuantizeRequest, qm, qparams: QParamsDocument):
