@@ -15,7 +15,16 @@ from .context import RetriedReads, ServiceDep, done_run, not_found, own_model
 from .layer_table import calibration, layer_page, tensor_entry
 from .lineage import layer_lineage
 from .models import Layer, TensorStat
-from .schemas import ErrorOut, LayerPage, LayerQuery, LineageOut, ObjectId, TensorOut, TensorQuery
+from .schemas import (
+    ErrorOut,
+    LayerPage,
+    LayerQuery,
+    LineageOut,
+    ObjectId,
+    TensorOut,
+    TensorQuery,
+    Text,
+)
 
 router = APIRouter(tags=["layers"], route_class=RetriedReads)
 _BAD = {400: {"model": ErrorOut}, 409: {"model": ErrorOut, "description": "The run is not done."}}
@@ -68,7 +77,7 @@ def get_lineage(
     service: ServiceDep,
     owner: Owner,
     model_id: ObjectId,
-    profile_id: Annotated[str, Query(description="An initial profileID of the model.")],
+    profile_id: Annotated[Text, Query(description="An initial profileID of the model.")],
 ) -> LineageOut:
     """What the layer became after each stage, and what each of those bindings holds."""
     with service.db.read() as session:

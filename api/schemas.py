@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Path, UploadFile
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # The report the service takes as an upload and the profile it serves are the pipeline's records.
 from rangeprof.byoc.reports import EvaluationReport  # noqa: F401
@@ -43,6 +43,17 @@ ExportFormat = Literal[(*FORMATS, *MODEL_FORMATS)]  # qdq, model-explorer: of th
 # and would overflow the query, so it is refused (422) before any query is made.
 MAX_ID = 2**31 - 1
 ObjectId = Annotated[int, Path(ge=1, le=MAX_ID, description="An object's id.")]
+
+
+def _no_nul(text: str) -> str:
+    if "\x00" in text:
+        raise ValueError("text may not hold a NUL character")
+    return text
+
+
+# Text a query compares or a row stores: PostgreSQL's text holds no NUL, so one is refused (422)
+# rather than failing the query (500).
+Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class _Out(BaseModel):
@@ -144,7 +155,7 @@ class RunRequest(ProfileOptions):
     data: UploadFile = Field(
         None, description=".npz file, one array per input, [N, *sample_shape]; no pickles."
     )
-    key: str = Field(
+    key: Text = Field(
         None, description="Array(s) of the .npz to use, comma-separated in input order."
     )
     random: int = Field(
@@ -271,7 +282,7 @@ class LayerQuery(BaseModel):
     run: int | None = Field(
         None, ge=1, le=MAX_ID, description="A done run of the model: its min/max and scales."
     )
-    q: str | None = Field(
+    q: Text | None = Field(
         None, max_length=200, description="Case-insensitive substring of profileID, op or node."
     )
     sort: LayerSort = "position"
@@ -316,7 +327,7 @@ class LayerPage(BaseModel):
 class TensorQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    profile_id: str
+    profile_id: Text
     target: Target = CalibrationOptions.model_fields["target"]
     scheme: Scheme | None = LayerQuery.model_fields["scheme"]
     dtype: Dtype | None = LayerQuery.model_fields["dtype"]
@@ -361,7 +372,7 @@ class EvaluationRequest(QuantizeOptions):
     model_config = ConfigDict(json_schema_extra=_limits(samples=_MAX.max_samples))
 
     data: UploadFile = Field(description=".npz file, one array per input, [N, *sample_shape].")
-    key: str = Field(
+    key: Text = Field(
         None, description="Array(s) of the .npz to use, comma-separated in input order."
     )
     labels: UploadFile = Field(

@@ -236,6 +236,10 @@ def test_bad_run_request(served, case):
         f"/api/builds/{-1}",
         f"/api/evaluations/{2**64}",
         f"/api/models/1/layers?offset={2**63}",
+        # PostgreSQL's text holds no NUL: a search or a profileID with one is refused, not a 500.
+        "/api/models/1/layers?q=a%00b",
+        "/api/runs/1/tensor?profile_id=%00",
+        "/api/models/1/lineage?profile_id=x%00",
     ],
 )
 def test_ids_out_of_range_are_422_not_500(served, path):
