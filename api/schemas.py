@@ -51,9 +51,16 @@ def _no_nul(text: str) -> str:
     return text
 
 
+class _NoNulPattern:
+    """The schema's side of :func:`_no_nul` (clients and fuzzers read the rule from it)."""
+
+    def __get_pydantic_json_schema__(self, schema, handler):
+        return {**handler(schema), "pattern": "^[^\\x00]*$"}
+
+
 # Text a query compares or a row stores: PostgreSQL's text holds no NUL, so one is refused (422)
 # rather than failing the query (500).
-Text = Annotated[str, AfterValidator(_no_nul)]
+Text = Annotated[str, AfterValidator(_no_nul), _NoNulPattern()]
 
 
 class _Out(BaseModel):
