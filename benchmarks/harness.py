@@ -71,18 +71,26 @@ def constant_inputs(name: str) -> tuple[str, ...]:
     return zoo.MODELS[name].constant_inputs if name in zoo.MODELS else ()
 
 
+WARM_UP_S = 0.03  # untimed calls before each timed block
+
+
 def interleaved_blocks_ms(fns: dict, runs: int, block: int = 5) -> dict[str, list[float]]:
     """Each callable's median ms per block of ``block`` calls, ``⌈runs / block⌉`` blocks timed
     round-robin (round ``r`` is block ``r`` of every contender) so that a slow spell of this
     shared machine lands on every contender alike instead of on whichever ran during it. Each
-    block follows a pause and an untimed call: a thread pool spins for a while after its last
+    block follows a pause and untimed calls: a thread pool spins for a while after its last
     call (onnxruntime's made the next TVM call 3-5x slower) and would steal the cores of the
-    next contender."""
+    next contender; and after the pause an idle core comes back slowly (some 10 ms of wake-ups
+    on a shared VM), so calls go on untimed for :data:`WARM_UP_S` (at least one): a block times
+    calls in a stream, the same for every contender."""
     blocks: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(math.ceil(runs / block)):
         for name, fn in fns.items():
             time.sleep(0.2)
+            warm_until = time.perf_counter() + WARM_UP_S
             fn()
+            while time.perf_counter() < warm_until:
+                fn()
             times = []
             for _ in range(block):
                 start = time.perf_counter()

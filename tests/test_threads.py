@@ -19,7 +19,7 @@ from tvm import relax
 
 from rangeprof.profiler.compile import threads
 from rangeprof.profiler.compile.schedules import build
-from rangeprof.profiler.compile.threads import FIRST_PROBE, LAST_PROBE, SPIN_COUNT
+from rangeprof.profiler.compile.threads import FIRST_PROBE, LAST_PROBE, RUN, SPIN_COUNT, WINDOW
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model
 
@@ -112,30 +112,36 @@ def test_the_choice_follows_the_faster_count(monkeypatch):
 
     def scenario():
         chooser = threads.AdaptiveThreads(kernel, 2)
-        for _ in range(7 + 1 + 7 * FIRST_PROBE + 3):
+        first = (2 * WINDOW + 1) * RUN
+        for _ in range(first + RUN * (7 * FIRST_PROBE + 3)):
             chooser()
-        # A first call, the two counts in turn, then two threads with probes of one at
-        # intervals that double.
-        assert counts[:7] == [2, 1, 2, 1, 2, 1, 2]
-        probes = [i for i, c in enumerate(counts) if c == 1 and i >= 7]
-        assert np.diff(probes).tolist() == [2 * FIRST_PROBE + 1, 4 * FIRST_PROBE + 1]
+        # Runs on the two counts in turn, then two threads with probe runs on one at intervals
+        # that double.
+        assert counts[:first] == ([2] * RUN + [1] * RUN) * WINDOW + [2] * RUN
+        probes = [i for i in range(first, len(counts)) if counts[i] == 1 and counts[i - 1] == 2]
+        assert all(counts[i : i + RUN] == [1] * RUN for i in probes)
+        assert np.diff(probes).tolist() == [
+            RUN * (2 * FIRST_PROBE + 1),
+            RUN * (4 * FIRST_PROBE + 1),
+        ]
         assert chooser.threads == 2
 
         cost.update({2: 10.0, 1: 2.5})  # a competing load: two threads collapse
         start = len(counts)
-        for _ in range(2):
+        while chooser.threads == 2:
             chooser()
-        assert chooser.threads == 1  # at the second slow call
-        for _ in range(3 * LAST_PROBE):
+        assert len(counts) - start <= 3 * RUN  # by the end of the second slow run
+        start = len(counts)
+        for _ in range(3 * RUN * LAST_PROBE):
             chooser()
-        assert counts[start + 2 :].count(2) <= 10  # probes only, ever rarer
+        assert counts[start:].count(2) <= 10 * RUN  # probes only, ever rarer
 
         cost.update({2: 1.0, 1: 2.0})  # the load ends
         calls = 0
         while chooser.threads == 1:
             chooser()
             calls += 1
-            assert calls <= 2 * LAST_PROBE + 2  # two probes at most
+            assert calls <= RUN * (2 * LAST_PROBE + 2)  # two probes at most
 
     _in_a_pool_of_two(monkeypatch, scenario)
 
@@ -152,7 +158,7 @@ def test_one_thread_wins_through_time_slices_lost(monkeypatch):
 
     def scenario():
         chooser = threads.AdaptiveThreads(kernel, 2)
-        for _ in range(7):
+        for _ in range((2 * WINDOW + 1) * RUN):
             chooser()
         assert chooser.threads == 1
 
@@ -169,7 +175,7 @@ def test_a_model_runs_alike_on_either_count(monkeypatch):
     def scenario():
         main = threads.vm_function(vm)
         assert threads.vm_function(vm) is main  # one chooser per VM: its timings persist
-        # The first calls alternate between the two counts: the same outputs on each.
+        # The first calls run on each count in turn: the same outputs on each.
         outputs = [main(image).numpy() for _ in range(7)]
         for output in outputs[1:]:
             np.testing.assert_array_equal(output, outputs[0])

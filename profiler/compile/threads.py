@@ -30,8 +30,9 @@ from typing import Any
 # awake between two kernels of one call; under contention a yield can last a time slice, and
 # this bounds how long an idle worker holds on (TVM's default, 300000, for minutes).
 SPIN_COUNT = 200
-WINDOW = 3  # the latest timed calls at each count that are compared
-# Calls at the chosen count between two probes of the other: doubled after each probe that
+RUN = 3  # consecutive calls on one count, timed together: the fastest of them
+WINDOW = 3  # the latest timed runs at each count that are compared
+# Runs at the chosen count between two probes of the other: doubled after each probe that
 # keeps the choice, from the first to the last, back to the first after a change.
 FIRST_PROBE, LAST_PROBE = 8, 1024
 _KBIG = 1  # TVM's ThreadGroup::AffinityMode kBig: every core of the fastest kind
@@ -71,50 +72,67 @@ class AdaptiveThreads:
     """A compiled function run on whichever of ``most`` (more than one) threads and one is
     faster now.
 
-    After a first untimed call (allocations, the pool's start), calls alternate between the two
-    counts until each has :data:`WINDOW` timings; then each call runs on the faster count, and
-    one call now and then, at intervals that double while the choice holds, runs on the other.
-    One thread's speed is the fastest of its latest calls: other processes only ever slow a call
-    down, by a time slice (ms) here and there, which would make a sub-ms model's median look
-    several times slower. More threads' speed is the median of their latest calls: a load slows
-    most of them, for good. So the choice leans to one thread, which cannot collapse, and calls
-    on more threads are all timed: a load that starts makes them slower than one thread and the
-    choice changes at once. Calls on one thread are not timed, which keeps a small model's calls
-    as cheap as a plain call; a load that ends shows at the next probes."""
+    Calls go in runs of :data:`RUN` on one count, and a run's speed is its fastest call: a core
+    left idle is slow to come back on a shared virtual machine (on a 2-vCPU EPYC, after a pause
+    of a few hundred ms, a worker that sleeps between kernels takes ~10 ms of wake-ups to run at
+    speed), so a lone call on more threads, between calls on one, measures the wake-ups and not
+    the count. After a first untimed call (allocations, the pool's start), runs alternate
+    between the two counts until each has :data:`WINDOW` of them; then runs are on the faster
+    count, and one run now and then, at intervals that double while the choice holds, on the
+    other. One thread's speed is the fastest of its latest runs: other processes only ever slow
+    a call down, by a time slice (ms) here and there. More threads' speed is the median of their
+    latest runs: a load slows most of them, for good. So the choice leans to one thread, which
+    cannot collapse, and runs on more threads are all timed: a load that starts makes them slower
+    than one thread and the choice changes at the end of the second slow run. Runs on one thread
+    that was chosen are not timed, which keeps a small model's calls as cheap as a plain call; a
+    load that ends shows at the next probes."""
 
     def __init__(self, function: Callable, most: int):
         self._function = function
         self._counts = (most, 1)
         self._times = {count: deque(maxlen=WINDOW) for count in self._counts}
         self.threads, self._other = most, 1  # the count chosen, the count probed
-        self._plan = [most, 1] * WINDOW + [most]  # the first calls' counts, last first
+        self._plan = [most, 1] * WINDOW + [most]  # the first runs' counts, last first
         self._warm = False
-        self._interval = self._left = FIRST_PROBE  # calls between probes, calls to the next
-        self._limit = 0.0  # the other count's speed: a slower call may change the choice
+        self._interval = self._left = FIRST_PROBE  # runs between probes, runs to the next
+        self._limit = 0.0  # the other count's speed: a slower run may change the choice
+        self._count, self._calls, self._best = most, 0, float("inf")  # the run going on
 
     def __call__(self, *args: Any) -> Any:
-        if self._plan:
-            count = self._plan.pop()
-        else:
-            self._left -= 1
-            count = self.threads if self._left >= 0 else self._other
-            if count == self.threads == 1:
-                use_threads(1)
-                return self._function(*args)
+        if not self._calls:
+            self._next_run()
+        self._calls -= 1
+        count = self._count
         use_threads(count)
+        if count == self.threads == 1 and not self._plan:
+            return self._function(*args)
         start = perf_counter()
         result = self._function(*args)
         seconds = perf_counter() - start
         if self._warm:
-            self._times[count].append(seconds)
+            self._best = min(self._best, seconds)
         self._warm = True
-        if not self._plan and (count != self.threads or seconds > self._limit):
-            self._decide(count)
+        if not self._calls:
+            self._end_run(count)
         return result
 
+    def _next_run(self) -> None:
+        if self._plan:
+            self._count = self._plan.pop()
+        else:
+            self._left -= 1
+            self._count = self.threads if self._left >= 0 else self._other
+        self._calls, self._best = RUN, float("inf")
+
+    def _end_run(self, count: int) -> None:
+        if self._best < float("inf"):
+            self._times[count].append(self._best)
+        if not self._plan and (count != self.threads or self._best > self._limit):
+            self._decide(count)
+
     def _decide(self, count: int) -> None:
-        """The choice after a call on ``count`` threads: a probe, the last of the first calls,
-        or a call slower than the other count."""
+        """The choice after a run on ``count`` threads: a probe, the last of the first runs,
+        or a run slower than the other count."""
         speed = {c: min(t) if c == 1 else sorted(t)[len(t) // 2] for c, t in self._times.items()}
         before = self.threads
         self.threads = min(self._counts, key=speed.__getitem__)
