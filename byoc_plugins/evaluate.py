@@ -398,8 +398,8 @@ def fit_budget(
     int16 activations where the policy has them, then FP32 — int16 removes rounding error, not
     the clipping of a badly calibrated range (which FP32 removes). A region no rung helps on its
     own keeps its lowest-drop rung, the narrowest on a tie: its error may only show once its
-    neighbours are widened too. ``start``: the profileIDs
-    already widened, by mode (a plan the search goes on from)."""
+    neighbours are widened too. ``start``: the profileIDs already widened, by mode (a plan the
+    search goes on from)."""
     compiled = {} if compiled is None else compiled
     kept = {m: frozenset((start or {}).get(m, ())) for m in (INT8, INT16, FP32)}
     result = evaluate(

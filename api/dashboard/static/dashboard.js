@@ -190,8 +190,12 @@ export function biasCorrection(spec) {
 export const ACTIVE = ["queued", "running"];
 export const METHODS = ["max", "percentile", "entropy", "mse"];
 
+// How often a page asks again while a job runs: a build of a small model goes through its
+// phases within a second or two, which a slower poll shows as nothing but "running".
+export const POLL_MS = 250;
+
 // Call `refresh` now and every `ms` while it returns true (something is still running).
-export async function poll(refresh, ms = 1000) {
+export async function poll(refresh, ms = POLL_MS) {
   while (await refresh()) {
     await new Promise((resolve) => setTimeout(resolve, ms));
   }

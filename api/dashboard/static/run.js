@@ -14,6 +14,7 @@ import {
   numCell,
   pathId,
   poll,
+  POLL_MS,
   progressBar,
   requestDetails,
   showError,
@@ -204,7 +205,7 @@ async function refreshBuilds() {
   document.getElementById("no-builds").hidden = builds.length > 0;
   clearTimeout(buildsTimer);
   if (builds.some((b) => ACTIVE.includes(b.status))) {
-    buildsTimer = setTimeout(() => refreshBuilds().catch(showError), 1000);
+    buildsTimer = setTimeout(() => refreshBuilds().catch(showError), POLL_MS);
   }
 }
 
