@@ -194,10 +194,9 @@ def pack(q, scales, zero_points, group_size: int, nb: int) -> list[np.ndarray]:
     return out
 
 
-def _instruction(isa: Isa, group_size: int) -> DotInstruction | None:
-    """The target's unsigned × signed 8-bit dot instruction (exact for ``|q − z| ≤ 15``), if
+def _instruction(isa: Isa, group_size: int, target) -> DotInstruction | None:
+    """``target``'s unsigned × signed 8-bit dot instruction (exact for ``|q − z| ≤ 15``), if
     any, and a group size it can take (whole pairs of 4-row steps)."""
-    target = tvm.target.Target.current(allow_none=True) or host_target()
     instruction = isa.dot(64, max_weight=15, data_dtype="uint8", target=target)
     if instruction is None or group_size % (2 * DEPTH):
         return None
@@ -215,14 +214,16 @@ def emit_dense_w4a8(
     bias: np.ndarray | None = None,
     *,
     isa: Isa,
+    target: tvm.target.Target | None = None,
 ) -> relax.Expr:
     """``data[…, K] @ W (+ bias)`` as :func:`~.dense_w4.emit_dense_w4`, the activations
-    quantized to 8 bits per row and the products on ``isa``'s dot instruction for the current
-    target (else this machine); :func:`~.dense_w4.emit_dense_w4` where it has none or the
-    rows are known at run time only."""
+    quantized to 8 bits per row and the products on ``isa``'s dot instruction for ``target``
+    (the build's CPU; default: the current target, else this machine);
+    :func:`~.dense_w4.emit_dense_w4` where it has none or the rows are known at run time only."""
     q, scales = np.asarray(q), np.asarray(scales)
     check_operands(data, q, scales, zero_points, group_size, bias)
-    instruction = _instruction(isa, group_size)
+    target = target or tvm.target.Target.current(allow_none=True) or host_target()
+    instruction = _instruction(isa, group_size, target)
     rows_known = all(isinstance(d, tirx.IntImm) for d in data.ty.shape.values)
     if instruction is None or not rows_known:
         return emit_dense_w4(bb, data, q, scales, zero_points, group_size, bias)

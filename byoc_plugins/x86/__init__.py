@@ -92,5 +92,6 @@ def make_plugin(mcpu: str | None = None) -> Plugin:
         compile=lambda mod: cpu.build(mod, target, ISA, fold_scales=False),
         options={"mcpu": mcpu},
         dense_w4=cpu.emit_dense_w4,
-        dense_w4a8=partial(cpu.emit_dense_w4a8, isa=ISA),
+        # Emitted while lowering, outside the build's target: its instruction is this CPU's.
+        dense_w4a8=partial(cpu.emit_dense_w4a8, isa=ISA, target=target),
     )
