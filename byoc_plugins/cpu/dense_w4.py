@@ -153,15 +153,16 @@ def emit_dense_w4(
     zero_points: np.ndarray | None,
     group_size: int,
     bias: np.ndarray | None = None,
+    target: tvm.target.Target | None = None,
 ) -> relax.Expr:
     """``data[…, K] @ W (+ bias)`` as one ``dense_w4`` kernel on packed 4-bit constants (see
     the module docstring): ``q`` uint8 ``[K, N]`` nibbles, ``scales`` float32 ``[⌈K/g⌉, N]``,
     ``zero_points`` uint8 like ``scales`` or None (symmetric: 8). Packed for the vector unit of
-    the current target (else this machine's)."""
+    ``target`` (the build's CPU; default: the current target, else this machine's)."""
     q, scales = np.asarray(q), np.asarray(scales)
     check_operands(data, q, scales, zero_points, group_size, bias)
     n = q.shape[1]
-    unit = vector_unit(tvm.target.Target.current(allow_none=True) or host_target())
+    unit = vector_unit(target or tvm.target.Target.current(allow_none=True) or host_target())
     nb = column_block(n, unit.lanes)
     constants = pack(q, scales, None if zero_points is None else np.asarray(zero_points), nb)
     if bias is not None:

@@ -226,7 +226,7 @@ def emit_dense_w4a8(
     instruction = _instruction(isa, group_size, target)
     rows_known = all(isinstance(d, tirx.IntImm) for d in data.ty.shape.values)
     if instruction is None or not rows_known:
-        return emit_dense_w4(bb, data, q, scales, zero_points, group_size, bias)
+        return emit_dense_w4(bb, data, q, scales, zero_points, group_size, bias, target)
     n = q.shape[1]
     nb = column_block(n, instruction.lanes)
     zeros = None if zero_points is None else np.asarray(zero_points)

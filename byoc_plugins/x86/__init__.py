@@ -91,7 +91,8 @@ def make_plugin(mcpu: str | None = None) -> Plugin:
         target=lambda: target,
         compile=lambda mod: cpu.build(mod, target, ISA, fold_scales=False),
         options={"mcpu": mcpu},
-        dense_w4=cpu.emit_dense_w4,
-        # Emitted while lowering, outside the build's target: its instruction is this CPU's.
+        # Emitted while lowering, outside the build's target: packed for (and, W4A8, on the
+        # instruction of) this CPU.
+        dense_w4=partial(cpu.emit_dense_w4, target=target),
         dense_w4a8=partial(cpu.emit_dense_w4a8, isa=ISA, target=target),
     )
