@@ -44,14 +44,9 @@ from rangeprof.profiler.ir.onnx_load import load_model, parse_input_shape  # noq
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model  # noqa: E402
 
 
-def build_target() -> tvm.target.Target:
-    """The x86 plugin's CPU (this host's, or ``RANGEPROF_X86_MCPU``), for FP32 and INT8 alike."""
-    return get_plugin("x86").target()
-
-
-def lowered(path: Path, shapes: dict, int8: bool) -> tvm.IRModule:
-    """The module ``build`` would hand to code generation: ``main`` calling its PrimFuncs."""
-    target = build_target()
+def lowered(path: Path, shapes: dict, int8: bool, target: tvm.target.Target) -> tvm.IRModule:
+    """The module ``build`` would hand to code generation for ``target``: ``main`` calling its
+    PrimFuncs."""
     if not int8:
         return relax_pipeline(target)(import_onnx(load_model(path, shapes)).mod)
     x86 = get_plugin("x86")
@@ -106,15 +101,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
     shapes = dict(args.input_shape)
-    mod = lowered(model_path(args.model), shapes, args.int8)
+    # The x86 plugin's CPU (this host's, or RANGEPROF_X86_MCPU's), for FP32 and INT8 alike.
+    target = get_plugin("x86").target()
+    mod = lowered(model_path(args.model), shapes, args.int8, target)
     calls, arguments = kernel_calls(mod)
     rows = []
     for name, count in calls.items():
-        ms = kernel_ms(mod[name], arguments[name], args.repeat, build_target())
+        ms = kernel_ms(mod[name], arguments[name], args.repeat, target)
         rows.append((None if ms is None else ms * count, ms, count, name))
     timed = sorted((r for r in rows if r[0] is not None), reverse=True)
     total = sum(r[0] for r in timed)
-    print(f"target {build_target()}")
+    print(f"target {target}")
     print(f"{len(rows)} kernels, {total:.3f} ms per inference in those timed")
     for share, ms, count, name in timed[: args.top]:
         print(f"{share:8.3f} ms {100 * share / total:5.1f} %  {ms:8.3f} × {count:<3} {name}")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,22 +185,29 @@ class Peak:
 
 
 @contextmanager
+def _in_background(work: Callable[[threading.Event], None]) -> Iterator[None]:
+    """``work(stop)`` in a thread of its own while the block runs; ``stop`` is set at its end."""
+    stop = threading.Event()
+    thread = threading.Thread(target=work, args=(stop,))
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextmanager
 def rss_peak(pid: int) -> Iterator[Peak]:
     """Samples ``pid``'s resident memory every 10 ms while the block runs."""
     seen = Peak(rss(pid), rss(pid))
-    done = threading.Event()
 
-    def sample() -> None:
-        while not done.wait(0.01):
+    def sample(stop: threading.Event) -> None:
+        while not stop.wait(0.01):
             seen.peak = max(seen.peak, rss(pid))
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with _in_background(sample):
         yield seen
-    finally:
-        done.set()
-        sampler.join()
 
 
 @contextmanager
@@ -208,9 +215,9 @@ def connections_killed(url: str, every: float) -> Iterator[list[int]]:
     """PostgreSQL terminates every connection to ``url``'s database each ``every`` seconds
     while the block runs; yields how many it killed each time."""
     name = url.rsplit("/", 1)[1]
-    stop, kills = threading.Event(), []
+    kills = []
 
-    def kill() -> None:
+    def kill(stop: threading.Event) -> None:
         with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
             while not stop.wait(every):
                 killed = admin.execute(
@@ -220,13 +227,8 @@ def connections_killed(url: str, every: float) -> Iterator[list[int]]:
                 ).fetchone()[0]
                 kills.append(killed)
 
-    killer = threading.Thread(target=kill)
-    killer.start()
-    try:
+    with _in_background(kill):
         yield kills
-    finally:
-        stop.set()
-        killer.join()
 
 
 @contextmanager
