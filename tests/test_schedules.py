@@ -277,6 +277,45 @@ def test_float_mod_is_numpys_at_infinities_and_signed_zeros():
         assert np.array_equal(np.signbit(got), np.signbit(want))
 
 
+@pytest.mark.parametrize(
+    ("op", "attrs", "numpy"),
+    [
+        ("ReduceMax", {"keepdims": 1}, lambda x: np.max(x, axis=(1, 2), keepdims=True)),
+        ("ReduceMin", {"keepdims": 0}, lambda x: np.min(x, axis=(1, 2))),
+        ("ArgMax", {"axis": 2, "keepdims": 0}, lambda x: np.argmax(x, axis=2)),
+        ("ArgMin", {"axis": 1, "keepdims": 1}, lambda x: np.argmin(x, axis=1, keepdims=True)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_extremes_of_rows_of_infinities_are_numpys(op, attrs, numpy):
+    """A row of ``-inf`` (a fully masked attention row) has max ``-inf`` and argmax 0, a row of
+    ``inf`` min ``inf`` and argmin 0 (TVM reduces from the lowest finite value: ``-3.4e38``, and
+    index -1); ties take the first index; random rows agree exactly."""
+    from onnx import TensorProto
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 3, 5)).astype(np.float32)
+    x[0] = -np.inf
+    x[1] = np.inf
+    x[2, :, 1:3] = x[2].max() + 1  # ties
+    constant = helper.make_node("Constant", [], ["axes"], value_ints=[1, 2])
+    axes = [] if "axis" in attrs else [constant]
+    node = helper.make_node(op, ["x", "axes"] if axes else ["x"], ["y"], **attrs)
+    want = numpy(x)
+    elem = TensorProto.INT64 if want.dtype == np.int64 else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [*axes, node],
+        "extremes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y", elem, list(want.shape))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    mod = import_onnx(load_model_bytes(model.SerializeToString(), "extremes.onnx")).mod
+    got = _run(build(mod), [x])
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_a_constant_first_operand_keeps_the_layout():
     """``scale · x`` with the constant first stays NHWC between the convs: the only transposes
     left are the input's and the output's (before: one on each side of the affine op)."""

@@ -63,6 +63,7 @@ from rangeprof.profiler.compile.schedules.dense import (
 )
 from rangeprof.profiler.compile.schedules.elementwise import root_blocks, schedule_generic
 from rangeprof.profiler.compile.schedules.embedding import one_hot_gathers
+from rangeprof.profiler.compile.schedules.extremes import LEGALIZE as EXTREMES
 from rangeprof.profiler.compile.schedules.floor_mod import legalize_floor_mod
 from rangeprof.profiler.compile.schedules.grouped_conv import legalize_grouped_conv2d
 from rangeprof.profiler.compile.schedules.normalization import schedule_normalization
@@ -192,6 +193,7 @@ def relax_pipeline(
         "relax.matmul": functools.partial(legalize_matmul, packed={}),
         "relax.erf": legalize_erf,
         "relax.floor_mod": legalize_floor_mod,
+        **EXTREMES,
     }
     for op, rule in rules.legalize.items():
         legalize[op] = _first(rule, legalize.get(op))
