@@ -183,6 +183,26 @@ def test_sequence_length_of_a_split(tmp_path):
     _check(tmp_path, model, {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)})
 
 
+@pytest.mark.parametrize("position", [-3, -2, -1, 0, 2, 3, None])
+def test_sequence_insert_counts_negative_positions_from_the_back(tmp_path, position):
+    """ONNX's ``-1`` inserts before the last tensor (TVM's converter appended); without a
+    position the tensor is appended. Each tensor of the result is read back."""
+    given = (
+        [] if position is None else [helper.make_node("Constant", [], ["p"], value_int=position)]
+    )
+    nodes = [
+        helper.make_node("SplitToSequence", ["x"], ["seq"], axis=0, keepdims=0),
+        *given,
+        helper.make_node("SequenceInsert", ["seq", "t", *(["p"] if given else [])], ["out"]),
+        *[helper.make_node("SequenceAt", ["out", f"i{k}"], [f"y{k}"]) for k in range(4)],
+    ]
+    indices = [(f"i{k}", np.array(k, np.int64)) for k in range(4)]
+    inputs = [("x", TensorProto.FLOAT, [3, 2]), ("t", TensorProto.FLOAT, [2])]
+    model = _model(nodes, inputs, 12, indices, outputs=[f"y{k}" for k in range(4)])
+    feeds = {"x": RNG.standard_normal((3, 2)).astype(np.float32), "t": np.full(2, 7, np.float32)}
+    _check(tmp_path, model, feeds)
+
+
 def test_optional_has_element_without_input(tmp_path):
     nodes = [
         helper.make_node("OptionalHasElement", [], ["has"]),

@@ -2,6 +2,7 @@
 values given at run time, EyeLike of another type than its input, Trilu of an empty tensor,
 Reshape to a shape holding 0 under ``allowzero``, Slice before opset 10 (attributes, not
 inputs), Upsample (its scales an input from opset 9), SequenceLength of a bound sequence,
+SequenceInsert at a negative position,
 OptionalHasElement without an input, and ReverseSequence, which TVM's frontend lacks."""
 
 from __future__ import annotations
@@ -158,6 +159,32 @@ class SequenceLength(OnnxOpConverter):
         sequence = inputs[0]
         fields = sequence.fields if isinstance(sequence, relax.Tuple) else sequence.ty.fields
         return relax.const(len(fields), "int64")
+
+
+class SequenceInsert(OnnxOpConverter):
+    """A tensor inserted before ``position``, counted from the back when negative (ONNX: ``-1``
+    inserts before the last tensor), appended without one. TVM's converter appends for any
+    ``-1``, taking it for the default."""
+
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        sequence, tensor = inputs[0], inputs[1]
+        if isinstance(sequence, relax.Tuple):
+            fields = list(sequence.fields)
+        else:
+            fields = [relax.TupleGetItem(sequence, i) for i in range(len(sequence.ty.fields))]
+        position = len(fields)
+        if len(inputs) > 2 and inputs[2] is not None:
+            given = constant_input(inputs, 2)
+            if given is None:
+                raise ConversionError("a position computed at run time is not supported")
+            position = int(given) + len(fields) if given < 0 else int(given)
+            if not 0 <= position <= len(fields):
+                raise ConversionError(
+                    f"position {int(given)} is outside [-n, n] for n={len(fields)}"
+                )
+        fields.insert(position, tensor)
+        return relax.Tuple(fields)
 
 
 class OptionalHasElement(OnnxOpConverter):
