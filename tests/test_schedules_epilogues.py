@@ -18,7 +18,7 @@ from onnx import helper
 from tvm import relax
 
 from rangeprof.profiler.compile.schedules import build
-from rangeprof.profiler.compile.schedules.activations import clip_as_bounds
+from rangeprof.profiler.compile.schedules.activations import as_extrema
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model_bytes
 from rangeprof.profiler.ir.spans import ids_of
@@ -92,6 +92,41 @@ def test_activations_fuse_into_dense_depthwise_and_grouped_convs():
     assert 'sblock("conv_pad")' in scripts[convs[0]]  # a dense conv keeps its padded copy
 
 
+@pytest.mark.parametrize("alpha", [0.2, 1.5, -0.5])
+def test_leaky_relu_and_a_max_fuse_into_the_conv(alpha):
+    """Conv → LeakyReLU → Max with a constant (a speech CNN's block) → conv is two kernels: no
+    transpose back to NCHW around the LeakyReLU, no stacked copy reduced for the Max; the
+    same values as onnxruntime, and LeakyReLU's bit for bit where its input is NaN, ±0 or ±inf."""
+    rng = np.random.default_rng(4)
+    first, inits = _conv("first", "x", "a", 1, rng)
+    second, more = _conv("second", "c", "d", 1, rng)
+    inits |= more | {"floor": np.full((1, 1, 1, 1), -0.4)}
+    nodes = [
+        first,
+        helper.make_node("LeakyRelu", ["a"], ["b"], alpha=alpha),
+        helper.make_node("Max", ["b", "floor"], ["c"]),
+        second,
+        helper.make_node("LeakyRelu", ["d"], ["y"], alpha=alpha),
+    ]
+    shape = [1, C, HW, HW]
+    model = onnx_model(nodes, inits, {"x": shape}, {"y": shape})
+    program = lowered(model)
+    assert_matches_onnxruntime(model, program)
+    names = [c.op.name_hint for c in kernel_calls(program)]
+    assert len(names) == 4, names  # the input's and output's transposes
+    assert all(re.search(r"conv2d.*(maximum|minimum)", n) for n in names[1:3]), names
+
+    edges = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3.0, -3.0, 1e-45], np.float32)
+    node = helper.make_node("LeakyRelu", ["x"], ["y"], alpha=alpha)
+    plain = onnx_model([node], {}, {"x": [edges.size]}, {"y": [edges.size]})
+    mod = import_onnx(load_model_bytes(plain.SerializeToString(), "leaky.onnx")).mod
+    vm = relax.VirtualMachine(build(mod), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(edges)).numpy()
+    want = np.where(edges > 0, edges, edges * np.float32(alpha))
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
 @pytest.mark.parametrize(
     ("c_in", "c_out", "group", "stride"),
     [(32, 64, 4, 1), (16, 32, 16, 1), (24, 48, 2, 2)],
@@ -119,7 +154,7 @@ def test_clip_bounds_keep_the_clips_profile_ids():
     mod = import_onnx(load_model_bytes(_activated_convs().SerializeToString(), "m.onnx")).mod
     calls = [b.value for b in mod["main"].body.blocks[0].bindings]
     clips = [ids_of(c) for c in calls if isinstance(c, relax.Call) and c.op.name == "relax.clip"]
-    rewritten = clip_as_bounds(mod)
+    rewritten = as_extrema(mod)
     calls = [b.value for b in rewritten["main"].body.blocks[0].bindings]
     assert not any(isinstance(c, relax.Call) and c.op.name == "relax.clip" for c in calls)
     minima = [ids_of(c) for c in calls if c.op.name == "relax.minimum"]

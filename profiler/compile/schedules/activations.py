@@ -1,6 +1,6 @@
 """Activations: the ones whose libm call LLVM cannot vectorise (``erf``, ``exp``, ``tanh``,
-``sigmoid``), and the clips of HardSwish / HardSigmoid, which the layout rewrite cannot see
-through.
+``sigmoid``), and the clips of HardSwish / HardSigmoid and LeakyReLU, which the layout rewrite
+cannot see through.
 
 LLVM lowers a float32 ``T.exp`` to one ``expf`` call per element, even in a vectorised loop;
 TVM writes ``T.tanh`` as two ``exp`` and ``T.sigmoid`` as one, so a SiLU, a GELU (tanh form) or
@@ -20,12 +20,15 @@ fuses like any epilogue:
 Every kernel of every build is rewritten the same way, whatever it fused, so the profiling build
 stays bitwise equal to the build it observes.
 
-The ONNX importer writes HardSwish and HardSigmoid with ``R.clip``, which has no layout
-inference: ``ConvertLayout`` transposed back to NCHW around each one, and the transposes kept
-the activation out of the depthwise conv before it (PP-LCNet, MobileNetV3).
-:data:`clip_as_bounds`, run before the layout rewrite, writes a clip with constant bounds as
-``minimum(maximum(x, lo), hi)`` (what ``Canonicalize`` makes of the importer's ``Clip``), the
-``minimum`` keeping the clip's span (its profileIDs).
+The ONNX importer writes HardSwish and HardSigmoid with ``R.clip``, and LeakyReLU with
+``R.nn.leakyrelu``, which have no layout inference: ``ConvertLayout`` transposed back to NCHW
+around each one, and the transposes kept the activation out of the conv before it (PP-LCNet,
+MobileNetV3; a speech CNN's 19 conv + LeakyReLU blocks ran 12 transposes). :data:`as_extrema`,
+run before the layout rewrite, writes a clip with constant bounds as ``minimum(maximum(x, lo),
+hi)`` (what ``Canonicalize`` makes of the importer's ``Clip``) and ``leakyrelu(x, a)`` as
+``maximum(x, x · a)`` (``minimum`` for ``a > 1``): the same values bit for bit, NaN and signed
+zeros included, as TOPI computes ``x · a`` where ``x ≤ 0``. The last operator keeps the
+activation's span (its profileIDs).
 """
 
 from __future__ import annotations
@@ -62,12 +65,18 @@ _TANH_CLAMP = 9.0  # float32 tanh is ±1 beyond
 
 
 _CLIP, _MINIMUM = tvm.ir.Op.get("relax.clip"), tvm.ir.Op.get("relax.minimum")
+_LEAKY_RELU, _MAXIMUM = tvm.ir.Op.get("relax.nn.leakyrelu"), tvm.ir.Op.get("relax.maximum")
 
 
 @relax.expr_functor.mutator
-class _ClipAsBounds(relax.PyExprMutator):
+class _AsExtrema(relax.PyExprMutator):
     def visit_call_(self, call):
         call = super().visit_call_(call)
+        if call.op.same_as(_LEAKY_RELU):
+            data = call.args[0]
+            alpha = float(call.attrs.alpha)
+            scaled = self.builder_.emit(relax.op.multiply(data, relax.const(alpha, data.ty.dtype)))
+            return relax.Call(_MAXIMUM if alpha <= 1 else _MINIMUM, [data, scaled], span=call.span)
         if not call.op.same_as(_CLIP):
             return call
         data, low, high = call.args
@@ -79,13 +88,14 @@ class _ClipAsBounds(relax.PyExprMutator):
         return relax.Call(_MINIMUM, [lowered, upper], span=call.span)
 
 
-@tvm.transform.module_pass(opt_level=0, name="ClipAsBounds")
-def clip_as_bounds(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Every ``R.clip`` with constant bounds → ``minimum(maximum(x, lo), hi)``."""
+@tvm.transform.module_pass(opt_level=0, name="AsExtrema")
+def as_extrema(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Every ``R.clip`` with constant bounds → ``minimum(maximum(x, lo), hi)``, every
+    ``R.nn.leakyrelu`` → ``maximum(x, x · a)`` (``minimum`` for ``a > 1``)."""
     mod = mod.clone()  # the caller's module stays as it was
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
-            mod[gvar] = _ClipAsBounds(mod).visit_expr(func)
+            mod[gvar] = _AsExtrema(mod).visit_expr(func)
     return mod
 
 

@@ -11,8 +11,8 @@ integer kernels: :func:`rangeprof.byoc.cpu.integer_rules`). Order of passes, and
 2. :class:`~rangeprof.profiler.ir.passes.fold_scale_axis.FoldScaleAxis` folds them into conv /
    dense weights, leaving one bias add per layer. (Skipped with ``fold_scales=False``, the
    profiling build, where every tensor is observed and none folds: it stops at ``PROFILED``.)
-3. :data:`~.activations.clip_as_bounds` (HardSwish / HardSigmoid clips as ``maximum`` /
-   ``minimum``, which have a layout inference), then
+3. :data:`~.activations.as_extrema` (HardSwish / HardSigmoid clips and LeakyReLU as
+   ``maximum`` / ``minimum``, which have a layout inference), then
    ``ConvertLayout`` to NHWC/OHWI (conv2d_transpose NHWC/IOHW): channels innermost, so every
    conv, pooling and elementwise kernel vectorises over channels; ``Canonicalize`` folds the
    transposed weights; then the rules' layout passes and the caller's ``layout_passes``.
@@ -46,7 +46,7 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
 from rangeprof.profiler.compile.schedules.activations import (
-    clip_as_bounds,
+    as_extrema,
     legalize_erf,
     lower_vector_math,
 )
@@ -200,7 +200,7 @@ def relax_pipeline(
     layouts = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NHWC", "IOHW"]}
     passes = [
         *canonical_passes(until="fold_scale_axis" if fold_scales else PROFILED),
-        clip_as_bounds,
+        as_extrema,
         relax.transform.ConvertLayout(layouts),
         Canonicalize(),
         *rules.layout_passes,

@@ -9,7 +9,7 @@ overrides a stock converter.
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from rangeprof.profiler.ir.converters.activations import Elu, Selu, Swish, ThresholdedRelu
-from rangeprof.profiler.ir.converters.arithmetic import CumProd, Pow
+from rangeprof.profiler.ir.converters.arithmetic import CumProd, Max, Mean, Min, Pow, Sum
 from rangeprof.profiler.ir.converters.checked import ReduceMax, ReduceMin, Resize, Split, TopK
 from rangeprof.profiler.ir.converters.normalization import (
     BatchNormalization,
@@ -46,8 +46,11 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "LayerNormalization": LayerNormalization,
     "LpNormalization": LpNormalization,
     "LSTM": LSTM,
+    "Max": Max,
     "MaxPool": MaxPool,
     "MaxUnpool": MaxUnpool,
+    "Mean": Mean,
+    "Min": Min,
     "OneHot": OneHot,
     "OptionalHasElement": OptionalHasElement,
     "Pow": Pow,
@@ -56,8 +59,8 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "ReduceMax": ReduceMax,
     "ReduceMin": ReduceMin,
     "Reshape": Reshape,
-    "ReverseSequence": ReverseSequence,
     "Resize": Resize,
+    "ReverseSequence": ReverseSequence,
     "RMSNormalization": RMSNormalization,
     "RNN": RNN,
     "Selu": Selu,
@@ -65,6 +68,7 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "SequenceLength": SequenceLength,
     "Slice": Slice,
     "Split": Split,
+    "Sum": Sum,
     "Swish": Swish,
     "ThresholdedRelu": ThresholdedRelu,
     "TopK": TopK,

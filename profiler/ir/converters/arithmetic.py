@@ -1,12 +1,20 @@
-"""Arithmetic where TVM's converters miss ONNX's types, and CumProd, which TVM lacks.
+"""Arithmetic where TVM's converters miss ONNX's types or fuse badly, and CumProd, which TVM
+lacks.
 
 ``Pow`` with the exponent of another type than the base (ONNX allows any pair; Relax's
 ``power`` wants one float type): the result has the base's type, as ONNX defines it. A float
 base takes the exponent cast to its type. An integer base is raised in float64 (exact while the
 result stays below 2**53) and converted back: rounded for an integer exponent (the exact
 integer power), truncated for a float one (as the reference's cast of the float power).
+
+``Max``, ``Min``, ``Sum`` and ``Mean`` of tensors fold their inputs pairwise (``maximum``,
+``minimum``, ``add``), in order. TVM's converters broadcast every input, stack them and reduce
+over the new axis: the same values, but a stacked copy and a reduction kernel that no
+elementwise chain fuses with, where ``Max(LeakyRelu(conv), c)`` pairwise is one more step of the
+conv's epilogue.
 """
 
+import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
@@ -49,3 +57,29 @@ class CumProd(onnx_frontend.OnnxOpConverter):
             data = relax.op.flip(data, axis)
         product = relax.op.cumprod(data, axis, exclusive=bool(attr.get("exclusive", 0)))
         return relax.op.flip(product, axis) if reverse else product
+
+
+class _Pairwise:
+    """Inputs folded pairwise unless all are constants (TVM's converter folds those in numpy)."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        if all(isinstance(x, tvm.ir.GenericConst) for x in inputs):
+            return super()._impl_v1(bb, inputs, attr, params)
+        return cls._impl_dynamic(bb, inputs)
+
+
+class Max(_Pairwise, onnx_frontend.Max):
+    pass
+
+
+class Min(_Pairwise, onnx_frontend.Min):
+    pass
+
+
+class Sum(_Pairwise, onnx_frontend.Sum):
+    pass
+
+
+class Mean(_Pairwise, onnx_frontend.Mean):
+    pass
