@@ -33,13 +33,14 @@ kernel. After ``ConvertLayout`` to NHWC/OHWI:
   TVM's legalization and the generic schedule: correct, only slow.
 
 Schedule (dense conv), the FP32 rule's structure (:mod:`.conv2d`) with the instruction inside:
-``n, o/ob, y/Y | c/chunk, Y, x/T, ky, kx, c, T, ob/lanes | lanes, depth``. The ``T × ob``
+``n, y/Y, o/ob | c/chunk, Y, x/T, ky, kx, c, T, ob/lanes | lanes, depth`` (bands of rows per
+thread, as :mod:`.conv2d` says why). The ``T × ob``
 int32 accumulators stay in registers, each weight vector feeds ``T`` instructions with a
 broadcast group of ``depth`` activations, and the innermost ``lanes × depth`` loops become one
 instruction call (:mod:`.dot`). The epilogue is computed per tile of ``Y`` rows, or, when one
 chunk holds all channels (``c/chunk`` = 1, which then moves inside ``x/T``), right after each
 register tile; the stage once per call; both ``parallel`` and vectorised. Depthwise convs keep
-the FP32 rule's tiling ``n, c/ob, y, x/T | ky, kx, T, ob``, pairs of taps ``kx`` in one
+the FP32 rule's tiling ``n, y, c/ob, x/T | ky, kx, T, ob``, pairs of taps ``kx`` in one
 instruction on x86, where each parallel task of :data:`DEPTHWISE_ROWS` output rows computes
 the tap pairs it reads, vectorised over channels only (the padding test then holds for a whole
 vector).
@@ -376,7 +377,7 @@ def finish_dot_tile(
 
 
 def _schedule_dense(sch: s_tir.Schedule, conv, instruction: DotInstruction) -> None:
-    """``n, o/ob, y/Y | c/chunk, Y, x/T, ky, kx, c, T, ob/lanes | lanes, depth``."""
+    """``n, y/Y, o/ob | c/chunk, Y, x/T, ky, kx, c, T, ob/lanes | lanes, depth``."""
     n, y, x, o, ry, rx, rc = sch.get_loops(conv)
     lanes, depth = instruction.lanes, instruction.depth
     weight = sch.get(conv).reads[-1].source
@@ -397,8 +398,8 @@ def _schedule_dense(sch: s_tir.Schedule, conv, instruction: DotInstruction) -> N
     # turn, its accumulators never stored (a 1×1 16 → 96 conv alone 30 % faster).
     whole = extent(sch, rco) == 1
     tiles = (yi, xo, rco) if whole else (rco, yi, xo)
-    sch.reorder(n, oo, yo, *tiles, ry, rx, rci, xi, ov, ol, rcd)
-    outer = sch.fuse(n, oo, yo)
+    sch.reorder(n, yo, oo, *tiles, ry, rx, rci, xi, ov, ol, rcd)
+    outer = sch.fuse(n, yo, oo)
     tile = xo if whole else None
     finish_dot_tile(sch, conv, out, outer, (xi, ov), rco, ol, instruction, tile)
 

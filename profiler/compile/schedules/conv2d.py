@@ -14,8 +14,12 @@ else keeps TVM's own legalization and gets the generic schedule):
 Schedule (one per fused PrimFunc holding such a conv):
 
 * The epilogue (bias add, ReLU/ReLU6, residual add) is inlined into one output block, which is
-  tiled ``n, c/ob, h, w/T | T, ob`` and runs ``parallel`` over ``n, c/ob, h``: one block of
-  weights stays in cache while a core sweeps the image with it.
+  tiled ``n, h, c/ob, w/T | T, ob`` and runs ``parallel`` over ``n, h, c/ob``: TVM's pool gives
+  each thread one contiguous share of that range, so each core computes a band of rows in every
+  channel, and the next layer reads its band from the core's own cache. Split by channel blocks
+  instead, every core read half of each input from the other's cache: on a 2-vCPU Xeon, two
+  threads were 1.3× faster than one where each kernel alone was 1.9× (ResNet-18 20.6 → 14.7 ms,
+  MobileNetV2 5.5 → 4.2 ms).
 * The conv is computed at that tile into a ``local`` ``T × ob`` accumulator: reduction loops
   ``kh, kw, ci`` outside, ``T`` unrolled, ``ob`` vectorised, so LLVM keeps the
   ``T × ob/lanes`` accumulators in vector registers (``T`` bounds them at three quarters of the
@@ -178,7 +182,7 @@ def _schedule_pad(sch: s_tir.Schedule) -> None:
 
 
 def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
-    """``n, o/ob, y/Y | ci/R, Y, x/T, ky, kx, R, T, ob``: rows of accumulators, L1 weights."""
+    """``n, y/Y, o/ob | ci/R, Y, x/T, ky, kx, R, T, ob``: rows of accumulators, L1 weights."""
     n, y, x, o, ry, rx, rc = sch.get_loops(conv)
     if extent(sch, x) == 1:  # a 1-D conv along H (Magika's 5×1): the tile runs down the column
         y, x = x, y
@@ -194,8 +198,8 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     xo, xi = sch.split(x, [None, tile])
     oo, oi = sch.split(o, [None, ob])
     rco, rci = sch.split(rc, [None, chunk])
-    sch.reorder(n, oo, yo, rco, yi, xo, ry, rx, rci, xi, oi)
-    outer = sch.fuse(n, oo, yo)
+    sch.reorder(n, yo, oo, rco, yi, xo, ry, rx, rci, xi, oi)
+    outer = sch.fuse(n, yo, oo)
     sch.parallel(outer)
     sch.reverse_compute_at(out, outer)
     sch.set_scope(conv, 0, "local")
@@ -206,7 +210,7 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
 
 
 def schedule_depthwise(sch: s_tir.Schedule, conv, keep=(PAD,)) -> None:
-    """``n, c/ob, y, x/T | ky, kx, T, ob`` with the taps unrolled: a ``T × ob`` register tile
+    """``n, y, c/ob, x/T | ky, kx, T, ob`` with the taps unrolled: a ``T × ob`` register tile
     (``keep``: the input stage the epilogue inlining must leave alone)."""
     n, y, x, o, ry, rx = sch.get_loops(conv)
     channels = extent(sch, o)
@@ -216,8 +220,8 @@ def schedule_depthwise(sch: s_tir.Schedule, conv, keep=(PAD,)) -> None:
     out = inline_epilogue(sch, conv, keep=keep)
     xo, xi = sch.split(x, [None, tile])
     oo, oi = sch.split(o, [None, ob])
-    sch.reorder(n, oo, y, xo, ry, rx, xi, oi)
-    sch.parallel(sch.fuse(n, oo, y))
+    sch.reorder(n, y, oo, xo, ry, rx, xi, oi)
+    sch.parallel(sch.fuse(n, y, oo))
     sch.reverse_compute_at(out, xo)
     sch.set_scope(conv, 0, "local")
     for loop in (ry, rx, xi):
