@@ -150,15 +150,21 @@ class Upsample(OnnxOpConverter):
         return convert
 
 
+def _sequence_fields(sequence) -> list:
+    """The tensors of a sequence: a tuple expression's fields, or items of a bound tuple (TVM's
+    converters read the fields of a tuple expression only)."""
+    if isinstance(sequence, relax.Tuple):
+        return list(sequence.fields)
+    return [relax.TupleGetItem(sequence, i) for i in range(len(sequence.ty.fields))]
+
+
 class SequenceLength(OnnxOpConverter):
     """The number of tensors in a sequence, also when it is bound to a variable (TVM's converter
     counts the fields of a tuple expression only)."""
 
     @classmethod
     def _impl_v11(cls, bb, inputs, attr, params):
-        sequence = inputs[0]
-        fields = sequence.fields if isinstance(sequence, relax.Tuple) else sequence.ty.fields
-        return relax.const(len(fields), "int64")
+        return relax.const(len(_sequence_fields(inputs[0])), "int64")
 
 
 class SequenceInsert(OnnxOpConverter):
@@ -168,11 +174,7 @@ class SequenceInsert(OnnxOpConverter):
 
     @classmethod
     def _impl_v11(cls, bb, inputs, attr, params):
-        sequence, tensor = inputs[0], inputs[1]
-        if isinstance(sequence, relax.Tuple):
-            fields = list(sequence.fields)
-        else:
-            fields = [relax.TupleGetItem(sequence, i) for i in range(len(sequence.ty.fields))]
+        fields = _sequence_fields(inputs[0])
         position = len(fields)
         if len(inputs) > 2 and inputs[2] is not None:
             given = constant_input(inputs, 2)
@@ -183,7 +185,7 @@ class SequenceInsert(OnnxOpConverter):
                 raise ConversionError(
                     f"position {int(given)} is outside [-n, n] for n={len(fields)}"
                 )
-        fields.insert(position, tensor)
+        fields.insert(position, inputs[1])
         return relax.Tuple(fields)
 
 
