@@ -173,15 +173,17 @@ def measure(name: str, threads: list[int], runs: int, samples: int) -> dict:
     fns, adaptive = _contenders(prepared, probe, threads)
     quiet = harness.interleaved_blocks_ms(fns, runs)
     row.update(model=name, ms=harness.median_ms(quiet), ratios=_ratios(quiet, threads))
+    row["block_ms"] = quiet
+    row["chosen_threads"] = {label: chooser.threads for label, chooser in adaptive.items()}
     most = max(threads)
     loaded_fns = {k: f for k, f in fns.items() if k.endswith(("@1", f"@{most}"))}
     if most > 1 and "@1" in "".join(loaded_fns):
+        # Twice the rounds: a ratio near 1 under a load that takes time slices at random.
         with competing_load():
-            loaded = harness.interleaved_blocks_ms(loaded_fns, runs)
+            loaded = harness.interleaved_blocks_ms(loaded_fns, 2 * runs)
         row["under_load"] = {"ms": harness.median_ms(loaded), "ratios": _ratios(loaded, [1, most])}
         row["block_ms_under_load"] = loaded
-    row["block_ms"] = quiet
-    row["chosen_threads"] = {label: chooser.threads for label, chooser in adaptive.items()}
+        row["chosen_threads_under_load"] = {k: c.threads for k, c in adaptive.items()}
     return row
 
 

@@ -7,6 +7,7 @@ either count."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,7 +20,14 @@ from tvm import relax
 
 from rangeprof.profiler.compile import threads
 from rangeprof.profiler.compile.schedules import build
-from rangeprof.profiler.compile.threads import FIRST_PROBE, LAST_PROBE, RUN, SPIN_COUNT, WINDOW
+from rangeprof.profiler.compile.threads import (
+    FIRST_PROBE,
+    LAST_PROBE,
+    PROBE_COST,
+    RUN,
+    SPIN_COUNT,
+    WINDOW,
+)
 from rangeprof.profiler.ir.importer import import_onnx
 from rangeprof.profiler.ir.onnx_load import load_model
 
@@ -113,17 +121,20 @@ def test_the_choice_follows_the_faster_count(monkeypatch):
     def scenario():
         chooser = threads.AdaptiveThreads(kernel, 2)
         first = (2 * WINDOW + 1) * RUN
-        for _ in range(first + RUN * (7 * FIRST_PROBE + 3)):
+        for _ in range(
+            first + RUN * (FIRST_PROBE + 6 * max(FIRST_PROBE, math.ceil(1 / PROBE_COST)) + 3)
+        ):
             chooser()
         # Runs on the two counts in turn, then two threads with probe runs on one at intervals
         # that double.
         assert counts[:first] == ([2] * RUN + [1] * RUN) * WINDOW + [2] * RUN
         probes = [i for i in range(first, len(counts)) if counts[i] == 1 and counts[i - 1] == 2]
         assert all(counts[i : i + RUN] == [1] * RUN for i in probes)
-        assert np.diff(probes).tolist() == [
-            RUN * (2 * FIRST_PROBE + 1),
-            RUN * (4 * FIRST_PROBE + 1),
-        ]
+        # A probe that loses a run's time (twice as slow) waits until that is PROBE_COST of
+        # the time in between, and at least twice as long as the one before.
+        second = max(2 * FIRST_PROBE, math.ceil(1 / PROBE_COST))
+        assert probes[0] == first + RUN * FIRST_PROBE
+        assert np.diff(probes).tolist() == [RUN * (second + 1), RUN * (2 * second + 1)]
         assert chooser.threads == 2
 
         cost.update({2: 10.0, 1: 2.5})  # a competing load: two threads collapse
@@ -135,13 +146,16 @@ def test_the_choice_follows_the_faster_count(monkeypatch):
         for _ in range(3 * RUN * LAST_PROBE):
             chooser()
         assert counts[start:].count(2) <= 10 * RUN  # probes only, ever rarer
+        probes = [i for i in range(start, len(counts)) if counts[i] == 2 and counts[i - 1] == 1]
+        # Each loses three runs' time (4x as slow): the next waits for 3 / PROBE_COST runs.
+        assert min(np.diff(probes)) > RUN * 3 / PROBE_COST
 
         cost.update({2: 1.0, 1: 2.0})  # the load ends
         calls = 0
         while chooser.threads == 1:
             chooser()
             calls += 1
-            assert calls <= RUN * (2 * LAST_PROBE + 2)  # two probes at most
+            assert calls <= RUN * (LAST_PROBE + 2)  # the next probe, confirmed at once
 
     _in_a_pool_of_two(monkeypatch, scenario)
 
@@ -161,6 +175,28 @@ def test_one_thread_wins_through_time_slices_lost(monkeypatch):
         for _ in range((2 * WINDOW + 1) * RUN):
             chooser()
         assert chooser.threads == 1
+
+    _in_a_pool_of_two(monkeypatch, scenario)
+
+
+def test_a_slow_start_on_two_threads_is_undone_at_the_first_probe(monkeypatch):
+    """An idle host where two threads are faster, but their first runs met a busy spell: the
+    first probe on two threads wins, is confirmed by the next run, and the choice changes."""
+    clock = [0.0]
+    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
+    two_threads = iter([5.0] * (WINDOW + 1) * RUN)  # the first runs' calls on two threads
+
+    def kernel():
+        clock[0] += next(two_threads, 1.0) if tvm.runtime.num_threads() == 2 else 2.0
+
+    def scenario():
+        chooser = threads.AdaptiveThreads(kernel, 2)
+        for _ in range((2 * WINDOW + 1) * RUN):
+            chooser()
+        assert chooser.threads == 1
+        for _ in range(RUN * (FIRST_PROBE + 2)):
+            chooser()
+        assert chooser.threads == 2
 
     _in_a_pool_of_two(monkeypatch, scenario)
 

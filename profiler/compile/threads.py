@@ -18,6 +18,7 @@ TVM's pool starts, and stays fast.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -35,6 +36,9 @@ WINDOW = 3  # the latest timed runs at each count that are compared
 # Runs at the chosen count between two probes of the other: doubled after each probe that
 # keeps the choice, from the first to the last, back to the first after a change.
 FIRST_PROBE, LAST_PROBE = 8, 1024
+# The most of the chosen count's time that the runs lost on a probe may cost: a probe much
+# slower than the choice (two threads under a load: 3-6x) waits that much longer.
+PROBE_COST = 1 / 32
 _KBIG = 1  # TVM's ThreadGroup::AffinityMode kBig: every core of the fastest kind
 
 _applied = threading.local()  # the count this thread's TVM pool was last set to
@@ -84,8 +88,10 @@ class AdaptiveThreads:
     latest runs: a load slows most of them, for good. So the choice leans to one thread, which
     cannot collapse, and runs on more threads are all timed: a load that starts makes them slower
     than one thread and the choice changes at the end of the second slow run. Runs on one thread
-    that was chosen are not timed, which keeps a small model's calls as cheap as a plain call; a
-    load that ends shows at the next probes."""
+    that was chosen are not timed, which keeps a small model's calls as cheap as a plain call.
+    A probe faster than the choice is followed at once by another, so a better count (a load
+    that ended, a noisy start) is taken within two runs; a probe slower than the choice puts
+    the next one off until its loss is at most :data:`PROBE_COST` of the time in between."""
 
     def __init__(self, function: Callable, most: int):
         self._function = function
@@ -96,7 +102,8 @@ class AdaptiveThreads:
         self._warm = False
         self._interval = self._left = FIRST_PROBE  # runs between probes, runs to the next
         self._limit = 0.0  # the other count's speed: a slower run may change the choice
-        self._count, self._calls, self._best = most, 0, float("inf")  # the run going on
+        self._count, self._calls = most, 0  # the run going on: its count, calls left,
+        self._best, self._spent = float("inf"), 0.0  # its fastest timed call, its seconds
 
     def __call__(self, *args: Any) -> Any:
         if not self._calls:
@@ -109,6 +116,7 @@ class AdaptiveThreads:
         start = perf_counter()
         result = self._function(*args)
         seconds = perf_counter() - start
+        self._spent += seconds
         if self._warm:
             self._best = min(self._best, seconds)
         self._warm = True
@@ -122,7 +130,7 @@ class AdaptiveThreads:
         else:
             self._left -= 1
             self._count = self.threads if self._left >= 0 else self._other
-        self._calls, self._best = RUN, float("inf")
+        self._calls, self._best, self._spent = RUN, float("inf"), 0.0
 
     def _end_run(self, count: int) -> None:
         if self._best < float("inf"):
@@ -140,8 +148,12 @@ class AdaptiveThreads:
         self._limit = speed[self._other]
         if self.threads != before:
             self._interval = self._left = FIRST_PROBE
-        elif count != before:  # a probe that kept the choice
-            self._interval = self._left = min(2 * self._interval, LAST_PROBE)
+        elif count != before and self._best < speed[before]:  # a probe faster than the choice
+            self._left = 0
+        elif count != before:  # a probe slower than the choice
+            lost = self._spent / (RUN * speed[before]) - 1  # in runs at the chosen count
+            wait = max(2 * self._interval, math.ceil(lost / PROBE_COST))
+            self._interval = self._left = min(wait, LAST_PROBE)
 
 
 _functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
