@@ -32,6 +32,7 @@ import rangeprof  # noqa: E402, F401, I001  (before onnxruntime.quantization: te
 import tvm  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
 
+from benchmarks.harness import input_shapes  # noqa: E402
 from benchmarks.int8_vs_fp32 import model_path  # noqa: E402
 from rangeprof.byoc.cpu import integer_rules  # noqa: E402
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
-    shapes = dict(args.input_shape)
+    shapes = input_shapes(Path(args.model).stem) | dict(args.input_shape)
     # The x86 plugin's CPU (this host's, or RANGEPROF_X86_MCPU's), for FP32 and INT8 alike.
     target = get_plugin("x86").target()
     mod = lowered(model_path(args.model), shapes, args.int8, target)
