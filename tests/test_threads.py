@@ -108,15 +108,30 @@ def _in_a_pool_of_two(monkeypatch, run):
         raise failure[0]
 
 
-def test_the_choice_follows_the_faster_count(monkeypatch):
+def _timed_kernel(monkeypatch, seconds):
+    """A kernel that takes ``seconds(count)`` on the clock the chooser reads, ``count`` the
+    threads it runs on."""
     clock = [0.0]
     monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
-    cost = {2: 1.0, 1: 2.0}  # an idle host: two threads faster
-    counts = []
 
     def kernel():
-        counts.append(tvm.runtime.num_threads())
-        clock[0] += cost[counts[-1]]
+        clock[0] += seconds(tvm.runtime.num_threads())
+
+    return kernel
+
+
+def _first_runs_choose(kernel, count: int) -> threads.AdaptiveThreads:
+    chooser = threads.AdaptiveThreads(kernel, 2)
+    for _ in range((2 * WINDOW + 1) * RUN):
+        chooser()
+    assert chooser.threads == count
+    return chooser
+
+
+def test_the_choice_follows_the_faster_count(monkeypatch):
+    cost = {2: 1.0, 1: 2.0}  # an idle host: two threads faster
+    counts = []
+    kernel = _timed_kernel(monkeypatch, lambda count: counts.append(count) or cost[count])
 
     def scenario():
         chooser = threads.AdaptiveThreads(kernel, 2)
@@ -163,37 +178,19 @@ def test_the_choice_follows_the_faster_count(monkeypatch):
 def test_one_thread_wins_through_time_slices_lost(monkeypatch):
     """A sub-ms model on a busy host: two of its first three single-threaded calls lose a time
     slice to another process, while two threads are steadily slower."""
-    clock = [0.0]
-    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
     one_thread = iter([9.0, 1.0, 9.0])
-
-    def kernel():
-        clock[0] += next(one_thread, 1.0) if tvm.runtime.num_threads() == 1 else 1.5
-
-    def scenario():
-        chooser = threads.AdaptiveThreads(kernel, 2)
-        for _ in range((2 * WINDOW + 1) * RUN):
-            chooser()
-        assert chooser.threads == 1
-
-    _in_a_pool_of_two(monkeypatch, scenario)
+    kernel = _timed_kernel(monkeypatch, lambda c: next(one_thread, 1.0) if c == 1 else 1.5)
+    _in_a_pool_of_two(monkeypatch, lambda: _first_runs_choose(kernel, 1))
 
 
 def test_a_slow_start_on_two_threads_is_undone_at_the_first_probe(monkeypatch):
     """An idle host where two threads are faster, but their first runs met a busy spell: the
     first probe on two threads wins, is confirmed by the next run, and the choice changes."""
-    clock = [0.0]
-    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
     two_threads = iter([5.0] * (WINDOW + 1) * RUN)  # the first runs' calls on two threads
-
-    def kernel():
-        clock[0] += next(two_threads, 1.0) if tvm.runtime.num_threads() == 2 else 2.0
+    kernel = _timed_kernel(monkeypatch, lambda c: next(two_threads, 1.0) if c == 2 else 2.0)
 
     def scenario():
-        chooser = threads.AdaptiveThreads(kernel, 2)
-        for _ in range((2 * WINDOW + 1) * RUN):
-            chooser()
-        assert chooser.threads == 1
+        chooser = _first_runs_choose(kernel, 1)
         for _ in range(RUN * (FIRST_PROBE + 2)):
             chooser()
         assert chooser.threads == 2
