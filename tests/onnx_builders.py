@@ -306,3 +306,46 @@ def pre_ln_transformer(hidden_outlier: float = 1.0, lm_head: bool = False) -> on
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model
+
+
+def padding_mask_attention(tokens: int = 6, width: int = 4) -> onnx.ModelProto:
+    """Self-attention with a padding mask made from the data, as Hugging Face's BERT exports it:
+    ``where(attention_mask == 0, -inf, 0)`` added to the scores, then a softmax; ``big`` then
+    takes the softmax's input past float32 (``overflowed``): a real overflow after a mask."""
+    n = helper.make_node
+    nodes = [
+        n("Equal", ["attention_mask", "zero"], ["padded"], name="padded"),
+        n("Where", ["padded", "minus_inf", "nought"], ["mask"], name="mask"),
+        n("Unsqueeze", ["mask", "axis1"], ["mask3"], name="mask3"),
+        n("Transpose", ["x"], ["xt"], name="xt", perm=[0, 2, 1]),
+        n("MatMul", ["x", "xt"], ["scores"], name="scores"),
+        n("Add", ["scores", "mask3"], ["masked"], name="masked"),
+        n("Softmax", ["masked"], ["p"], name="p", axis=-1),
+        n("MatMul", ["p", "x"], ["y"], name="y"),
+        n("Mul", ["masked", "big"], ["large"], name="large"),
+        n("Mul", ["large", "big"], ["overflowed"], name="overflowed"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array(-np.inf, np.float32), "minus_inf"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "nought"),
+        numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+        numpy_helper.from_array(np.array(1e38, np.float32), "big"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "padding_mask_attention",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, tokens, width]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, tokens]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, tokens, width]),
+            helper.make_tensor_value_info("overflowed", TensorProto.FLOAT, [1, tokens, tokens]),
+        ],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model

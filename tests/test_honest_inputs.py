@@ -228,6 +228,28 @@ def test_overflow_is_flagged_and_warned(tmp_path):
     assert line.startswith("non-finite data profiled: 3 tensor(s) hold NaN or inf: input:x (1 NaN)")
 
 
+def test_a_padding_mask_from_the_data_is_no_overflow(tmp_path):
+    """The ``-inf`` a data-made padding mask adds to the scores is counted as masked in every
+    tensor that carries it; a product that overflows on top of it is still an overflow."""
+    path = mb.save(mb.padding_mask_attention(), tmp_path)
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-1, 1, (4, 6, 4)).astype(np.float32)
+    attention_mask = np.ones((4, 6), np.int64)
+    attention_mask[:, 4:] = 0  # two padded tokens a sample
+    np.savez(tmp_path / "d.npz", x=x, attention_mask=attention_mask)
+    doc = profile_model(path, str(tmp_path / "d.npz"))
+    by_id = {t["profile_id"]: t for t in doc["tensors"]}
+    for name in ("mask", "mask3", "masked", "large"):
+        assert by_id[name]["masked"] is True and "overflow" not in by_id[name], name
+    assert by_id["masked"]["inf_count"] == 4 * 6 * 2  # two keys masked on every query row
+    assert np.isfinite([by_id["masked"]["min"], by_id["masked"]["max"]]).all()
+    (overflowed,) = [t for t in doc["tensors"] if t.get("graph_outputs") == ["overflowed"]]
+    assert overflowed["overflow"] is True  # its finite scores overflow too
+    (masked, warning) = nonfinite_summary(doc)
+    assert masked.startswith("masked: ") and "in 4 tensor(s)" in masked
+    assert warning.startswith("warning: 1 tensor(s) overflowed to NaN or inf inside the model:")
+
+
 # --- REST API ------------------------------------------------------------------------------------
 
 

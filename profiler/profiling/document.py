@@ -160,7 +160,7 @@ def flag_nonfinite(tensors: list[dict]) -> None:
 
 def _explained(entry: dict, by_id: dict[str, dict]) -> bool:
     """Whether ``entry``'s share of non-finite values is at most that of its non-finite inputs
-    (static ones, and masked ones it reshapes) together."""
+    (static ones, and masked ones it carries values of) together."""
     inputs = [by_id.get(i) for i in entry.get("nonfinite_inputs", ())]
     held = [e for e in inputs if e is not None and (e["static"] or e.get("masked"))]
     return bool(held) and _fraction(entry) <= sum(map(_fraction, held), Fraction(0))

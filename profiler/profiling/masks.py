@@ -2,14 +2,16 @@
 
 A causal mask is a constant holding ``-inf`` (char_gpt's ``weight:blocks.0.mask``); slices of it
 are static tensors holding ``-inf`` too, and the scores it is added to hold one ``-inf`` per
-masked position, every run. Those values are no overflow. This module finds, in the tagged
-initial IR, the data-dependent tensors that read such values: each one's *non-finite inputs* —
-the static tensors (constants, or bindings of constants alone) holding NaN or inf that it reads
-directly, and the masked tensors it only reshapes or transposes (which keep every value) — and
-their *origins*, the constants the values come from. That is structure, known before any data
-runs; whether a tensor's NaN and inf are all explained by its inputs is decided from the counts
-(:func:`rangeprof.profiler.profiling.document.flag_nonfinite`), so a merge of shards decides as a
-single pass does.
+masked position, every run. A padding mask is made from the data (Hugging Face's BERT:
+``where(attention_mask == 0, -inf, 0)``), and the scores it is added to hold its ``-inf``
+too. Those values are no overflow. This module finds, in the tagged initial IR, the
+data-dependent tensors that read such values: each one's *non-finite inputs* — the static
+tensors (constants, or bindings of constants alone) holding NaN or inf that it reads directly,
+and the masked tensors it reshapes, transposes or combines elementwise (an infinity added to a
+finite value stays one) — and their *origins*, the constants the values come from. That is
+structure, known before any data runs; whether a tensor's NaN and inf are all explained by its
+inputs is decided from the counts (:func:`rangeprof.profiler.profiling.document.flag_nonfinite`),
+so a merge of shards decides as a single pass does.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ from tvm import relax
 from rangeprof.profiler.ir.bindings import function_bindings
 from rangeprof.profiler.ir.spans import ids_of
 
-# Ops that move every value of their input to the output and make none: the fraction of
-# non-finite values stays that of the input.
-_KEEP_VALUES = frozenset(
+# Ops whose output holds a non-finite value wherever an operand holds one, broadcast or not:
+# the ones that move values, and elementwise arithmetic. The fraction of non-finite values stays
+# at most the operands' together, which flag_nonfinite checks.
+_CARRY_VALUES = frozenset(
     f"relax.{name}"
-    for name in ("reshape", "permute_dims", "expand_dims", "squeeze", "flatten", "broadcast_to")
+    for name in (
+        *("reshape", "permute_dims", "expand_dims", "squeeze", "flatten", "broadcast_to"),
+        *("add", "subtract", "multiply", "maximum", "minimum", "where"),
+    )
 )
 
 
@@ -80,10 +86,10 @@ def mask_sources(
         walk.named[ref.var] = next(iter(ids))
         if ref.var not in depends:
             if ids & static_nonfinite:
-                above = walk.sources(value, keep=False)
+                above = walk.sources(value, carry=False)
                 walk.origins[ref.var] = frozenset(above.origins) or ids
             continue
-        sources = walk.sources(value, keep=_op(value) in _KEEP_VALUES)
+        sources = walk.sources(value, carry=_op(value) in _CARRY_VALUES)
         if sources.inputs:
             walk.masked[ref.var] = sources
     return {walk.named[var]: sources for var, sources in walk.masked.items()}
@@ -102,9 +108,9 @@ class _Walk:
             if named in table:
                 table[var] = table[named]
 
-    def sources(self, value, keep: bool) -> MaskSources:
+    def sources(self, value, carry: bool) -> MaskSources:
         """The non-finite inputs of a binding's value; through masked data-dependent operands
-        only where the op keeps every value (``keep``)."""
+        only where the op carries their non-finite values (``carry``)."""
         inputs: set[str] = set()
         constants: set[str] = set()
         for arg in _args(value):
@@ -114,7 +120,7 @@ class _Walk:
             elif arg in self.origins:
                 inputs.add(self.named[arg])
                 constants |= self.origins[arg]
-            elif keep and arg in self.masked:
+            elif carry and arg in self.masked:
                 inputs.add(self.named[arg])
                 constants |= set(self.masked[arg].origins)
         return MaskSources(tuple(sorted(inputs)), tuple(sorted(constants)))
