@@ -24,7 +24,7 @@ from tvm import relax
 from rangeprof.profiler.settings import settings
 
 # Bump when the instrumented program, its sidecar or its statistics kernels change.
-PROGRAM_FORMAT = 8
+PROGRAM_FORMAT = 9
 
 
 @contextlib.contextmanager
