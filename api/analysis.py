@@ -71,6 +71,7 @@ def analyse_model(path: str, name: str, shapes: str | None) -> dict:
         "input_shapes": {k: list(v) for k, v in parsed.items()},
         "inputs": [
             {"name": k, "shape": list(v), "dtype": loaded.input_dtypes[k]}
+            | ({"index": loaded.index_uses[k].to_json()} if k in loaded.index_uses else {})
             for k, v in loaded.input_shapes.items()
         ],
         "layers": tracked["layers"],
@@ -96,9 +97,15 @@ def read_data(
     import numpy as np
 
     from rangeprof.profiler.errors import CalibrationDataError
+    from rangeprof.profiler.ir.index_inputs import IndexUse
     from rangeprof.profiler.profiling.data import RANDOM, InputSpec, open_data
 
-    specs = [InputSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in inputs]
+    specs = [
+        InputSpec(i["name"], tuple(i["shape"]), i["dtype"], index=IndexUse(**i["index"]))
+        if "index" in i
+        else InputSpec(i["name"], tuple(i["shape"]), i["dtype"])
+        for i in inputs
+    ]
     if spec == RANDOM:
         return open_data(spec, specs, samples=samples, seed=seed).num_samples
     path = f"{folder}/{spec}"

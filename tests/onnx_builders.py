@@ -349,3 +349,31 @@ def padding_mask_attention(tokens: int = 6, width: int = 4) -> onnx.ModelProto:
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model
+
+
+def embedding(vocabulary: int = 10, width: int = 3, tokens: int = 4, shift: int = 0):
+    """Token ids ``ids`` (int64 ``[1, tokens]``) gathered from a table of ``vocabulary`` rows,
+    then a ReLU; ``shift`` is added to the ids first (an index computed inside the model)."""
+    n = helper.make_node
+    nodes = [
+        n("Add", ["ids", "shift"], ["shifted"], name="shifted"),
+        n("Gather", ["table", "shifted" if shift else "ids"], ["rows"], name="rows", axis=0),
+        n("Relu", ["rows"], ["y"], name="y"),
+    ]
+    if not shift:
+        del nodes[0]
+    table = np.random.default_rng(0).normal(size=(vocabulary, width)).astype(np.float32)
+    inits = [numpy_helper.from_array(table, "table")]
+    if shift:
+        inits.append(numpy_helper.from_array(np.array(shift, np.int64), "shift"))
+    graph = helper.make_graph(
+        nodes,
+        "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, tokens])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, tokens, width])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model

@@ -65,6 +65,7 @@ from rangeprof.profiler.errors import (
     UnsupportedTypeError,
 )
 from rangeprof.profiler.ir.fates import ELIMINATED, FOLDED_INTO, Fate
+from rangeprof.profiler.ir.index_inputs import IndexUse, index_uses
 from rangeprof.profiler.ir.operator_quantized import as_qdq
 from rangeprof.profiler.ir.qdq import EmbeddedQ
 from rangeprof.profiler.ir.qdq import dequantize as dequantized
@@ -88,6 +89,8 @@ class ModelFacts:
     # and the values the model was loaded with (``bound``): its program takes the others.
     value_inputs: tuple[str, ...] = field(default=(), kw_only=True)
     bound: dict[str, np.ndarray] = field(default_factory=dict, kw_only=True)
+    # Integer inputs that index an axis (token ids): the values they may hold.
+    index_uses: dict[str, IndexUse] = field(default_factory=dict, kw_only=True)
 
     def to_json(self) -> dict:
         return {
@@ -99,6 +102,7 @@ class ModelFacts:
             "fates": self.fates,
             "value_inputs": list(self.value_inputs),
             "bound": {k: v.tolist() for k, v in self.bound.items()},
+            "index_uses": {k: v.to_json() for k, v in self.index_uses.items()},
         }
 
     @classmethod
@@ -114,6 +118,7 @@ class ModelFacts:
             doc["fates"],
             value_inputs=tuple(doc["value_inputs"]),
             bound={k: np.asarray(v, dtypes[k]) for k, v in doc["bound"].items()},
+            index_uses={k: IndexUse(**v) for k, v in doc.get("index_uses", {}).items()},
         )
 
     @property
@@ -142,6 +147,7 @@ class LoadedModel(ModelFacts):
             self.fates,
             value_inputs=self.value_inputs,
             bound=self.bound,
+            index_uses=self.index_uses,
         )
 
 
@@ -259,6 +265,7 @@ def _load(
         embedded=embedded,
         value_inputs=value_inputs,
         bound=bound,
+        index_uses=index_uses(folded.graph),
     )
 
 

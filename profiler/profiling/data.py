@@ -16,7 +16,8 @@ Sources (the ``--data`` value)
         spec apply.
     ``random``
         Seeded standard-normal data for float inputs, uniform integers in ``[0, 100)`` for integer
-        inputs, 0/1 for bool inputs; 8 samples unless told otherwise.
+        inputs (below ``n`` for one that indexes an axis of ``n``), 0/1 for bool inputs; 8
+        samples unless told otherwise.
 
 Per-sample and constant inputs
     An input is per-sample by default: its array holds samples along axis 0, batched to the
@@ -37,6 +38,9 @@ a few MB at a time; an iterable's batches are checked as they arrive, before the
       profile then counts them per tensor (``nan_count``, ``inf_count``). A finite value past
       the input dtype's range (float64 1e39 for float32) counts as infinity. Integer inputs
       never take NaN or infinity, cast or not.
+    * An integer input that a Gather reads as indices (token ids; ``index`` of
+      :class:`InputSpec`, :mod:`rangeprof.profiler.ir.index_inputs`) takes values in ``[-n, n)``
+      only, ``n`` the gathered axis' extent: another is refused by its sample and position.
     * Refusals of what the data holds are :class:`DataContentError`: the service answers them
       with 422, other problems of a data source with 400.
 
@@ -69,6 +73,7 @@ import numpy as np
 from PIL import Image
 
 from rangeprof.profiler.errors import CalibrationDataError
+from rangeprof.profiler.ir.index_inputs import IndexUse
 
 if TYPE_CHECKING:
     from rangeprof.profiler.ir.onnx_load import ModelFacts
@@ -108,6 +113,7 @@ class InputSpec:
     shape: tuple[int, ...]
     dtype: str  # numpy dtype name
     constant: bool = False  # fed whole in every run (see the module docstring)
+    index: IndexUse | None = None  # the axis an integer input indexes: its values' range
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -115,7 +121,7 @@ class InputSpec:
 
     def as_one_sample(self) -> InputSpec:
         """A per-sample input whose one sample is this input's whole array."""
-        return InputSpec(self.name, (1, *self.shape), self.dtype)
+        return InputSpec(self.name, (1, *self.shape), self.dtype, index=self.index)
 
 
 def model_inputs(model: ModelFacts, constant: Iterable[str] = ()) -> list[InputSpec]:
@@ -130,7 +136,13 @@ def model_inputs(model: ModelFacts, constant: Iterable[str] = ()) -> list[InputS
         )
     constant |= set(model.value_inputs)
     return [
-        InputSpec(name, shape, model.input_dtypes[name], name in constant or not shape)
+        InputSpec(
+            name,
+            shape,
+            model.input_dtypes[name],
+            name in constant or not shape,
+            model.index_uses.get(name),
+        )
         for name, shape in model.input_shapes.items()
     ]
 
@@ -498,6 +510,8 @@ def _fed(raw: np.ndarray, inp: InputSpec, what: str, first: int, checks: Checks)
     refused if it holds what the checks do not let through (see the module docstring)."""
     fed = _cast(raw, inp)
     to_float = fed.dtype.kind == "f"
+    if inp.index is not None and not to_float:
+        _check_indices(fed, inp, what, first)
     if raw.dtype.kind != "f" or (to_float and checks.allow_nonfinite):
         return fed
     values = fed if to_float else raw  # an integer input's data is checked before the cast
@@ -518,6 +532,23 @@ def _fed(raw: np.ndarray, inp: InputSpec, what: str, first: int, checks: Checks)
         )
     raise DataContentError(
         f"{where}holds {held} (input {inp.name!r}); pass --allow-nonfinite to profile it anyway"
+    )
+
+
+def _check_indices(fed: np.ndarray, inp: InputSpec, what: str, first: int) -> None:
+    """Refuses an index input's value outside ``[-n, n)`` (ONNX's range for a Gather) by its
+    sample and position: compiled, it would read outside the table."""
+    n = inp.index.extent
+    rows = fed.reshape(1 if inp.constant or not fed.ndim else len(fed), -1)
+    outside = (rows < -n) | (rows >= n)
+    if not outside.any():
+        return
+    row = int(np.argmax(outside.any(axis=1)))
+    col = int(np.argmax(outside[row]))
+    where = f"{what}: " if inp.constant else f"{what}: sample {first + row} "
+    raise DataContentError(
+        f"{where}holds {rows[row, col]} at position {col}, outside [{-n}, {n - 1}]: input "
+        f"{inp.name!r} indexes an axis of {n} in {inp.index.node!r}"
     )
 
 
@@ -749,10 +780,16 @@ def _random_reader(inp: InputSpec, kind: str, seed: np.random.SeedSequence) -> R
             if kind == "f":
                 batch = rng.standard_normal(size, dtype=np.float32)
             else:
-                batch = rng.integers(0, 2 if kind == "b" else 100, size)
+                batch = rng.integers(0, 2 if kind == "b" else _random_integers(inp), size)
             yield _cast(batch, inp)
 
     return read
+
+
+def _random_integers(inp: InputSpec) -> int:
+    """Random integers are drawn below this: 100, or the extent of the axis the input
+    indexes."""
+    return min(100, inp.index.extent) if inp.index else 100
 
 
 def _images(
