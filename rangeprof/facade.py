@@ -21,6 +21,7 @@ bounds and help): an unknown or invalid one is a :class:`RangeprofError` naming 
 
 from __future__ import annotations
 
+import collections
 import shutil
 import tempfile
 import weakref
@@ -301,9 +302,11 @@ class Int8Model:
 
     def __repr__(self) -> str:
         regions = self.manifest.regions
-        int8 = sum(r.mode == "int8" for r in regions)
+        # By mode, most first: a 4-bit build's dense layers are w4, not "not INT8".
+        modes = collections.Counter(r.mode for r in regions).most_common()
+        held = ", ".join(f"{count} {mode}" for mode, count in modes)
         target = self.manifest.target
-        return f"<Int8Model {target} in {self.folder}: {int8} of {len(regions)} regions INT8>"
+        return f"<Int8Model {target} in {self.folder}: {len(regions)} regions, {held}>"
 
     @property
     def input_names(self) -> tuple[str, ...]:

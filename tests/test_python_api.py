@@ -249,7 +249,7 @@ def test_short_reprs_and_the_public_names(eight, int8):
         f"<QParams max, npu, {options['scheme']} {options['dtype']}: "
         f"{len(qparams.document['qparams'])} tensors>"
     )
-    assert repr(int8) == f"<Int8Model x86 in {int8.folder}: 5 of 5 regions INT8>"
+    assert repr(int8) == f"<Int8Model x86 in {int8.folder}: 5 regions, 5 int8>"
     assert dir(rangeprof) == sorted(rangeprof.__all__)
     assert {"load", "profile", "build", "evaluate", "quantize", "Int8Model"} <= set(dir(rangeprof))
     assert all(hasattr(rangeprof, name) for name in dir(rangeprof))
