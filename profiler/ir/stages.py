@@ -99,12 +99,8 @@ def partition(mod: tvm.IRModule, patterns: Patterns) -> tvm.IRModule:
 
 
 def _fuse_ops() -> list[tvm.transform.Pass]:
-    # The build's take, clipped (TVM's own warns of a crash on every Gather); imported here:
-    # the build's package imports this module.
-    from rangeprof.profiler.compile.schedules.take import legalize_take
-
     return [
-        Tracked(relax.transform.LegalizeOps({"relax.take": legalize_take})),
+        Tracked(relax.transform.LegalizeOps()),
         Tracked(relax.transform.AnnotateTIROpPattern()),
         Tracked(relax.transform.FuseOps()),
         Tracked(relax.transform.FuseTIR()),

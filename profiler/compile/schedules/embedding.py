@@ -57,7 +57,7 @@ class _OneHotGathers(relax.PyExprMutator):
             relax.op.less(flat, relax.const(rows, dtype)),
         )
         safe = self.builder_.emit(relax.op.where(inside, flat, relax.const(rows, dtype)))
-        return relax.op.take(relax.const(zero_row, "float32"), safe, axis=0)
+        return relax.op.take(relax.const(zero_row, "float32"), safe, axis=0, mode="clip")
 
     def _one_hot_index(self, var) -> relax.Expr | None:
         """``x`` (last axis of one) when ``var`` is ``astype(equal(x, arange(N)), float32)``."""

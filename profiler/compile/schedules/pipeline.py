@@ -22,8 +22,7 @@ integer kernels: :func:`rangeprof.byoc.cpu.integer_rules`). Order of passes, and
    first, then float32 conv2d (grouped by :mod:`.grouped_conv`, row convs, i.e. conv1d, by
    :mod:`.conv1d`, then :mod:`.conv2d`),
    conv2d_transpose (:mod:`.conv_transpose`) and matmul (:mod:`.dense`), float32 ``erf`` as a
-   vectorisable approximation (:mod:`.activations`), ``floor_mod`` (:mod:`.floor_mod`), ``take``
-   clipped to its axis (:mod:`.take`).
+   vectorisable approximation (:mod:`.activations`), ``floor_mod`` (:mod:`.floor_mod`).
    ``FuseOps`` / ``FuseTIR`` then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it (the
    rules' first, then :mod:`.conv1d`, :mod:`.conv2d`, :mod:`.conv_transpose`, :mod:`.dense`,
@@ -70,7 +69,6 @@ from rangeprof.profiler.compile.schedules.grouped_conv import legalize_grouped_c
 from rangeprof.profiler.compile.schedules.normalization import schedule_normalization
 from rangeprof.profiler.compile.schedules.pooling import schedule_pooling
 from rangeprof.profiler.compile.schedules.resize import schedule_resize
-from rangeprof.profiler.compile.schedules.take import legalize_take
 from rangeprof.profiler.ir.passes.canonicalize import Canonicalize
 from rangeprof.profiler.ir.stages import PROFILED, canonical_passes
 
@@ -195,7 +193,6 @@ def relax_pipeline(
         "relax.matmul": functools.partial(legalize_matmul, packed={}),
         "relax.erf": legalize_erf,
         "relax.floor_mod": legalize_floor_mod,
-        "relax.take": legalize_take,
         **EXTREMES,
     }
     for op, rule in rules.legalize.items():

@@ -24,6 +24,7 @@ from rangeprof.profiler.ir.converters.quantization import DequantizeLinear, Quan
 from rangeprof.profiler.ir.converters.recurrent import GRU, LSTM, RNN
 from rangeprof.profiler.ir.converters.tensors import (
     EyeLike,
+    Gather,
     OneHot,
     OptionalHasElement,
     Reshape,
@@ -42,6 +43,7 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "Dropout": Dropout,
     "Elu": Elu,
     "EyeLike": EyeLike,
+    "Gather": Gather,
     "GRU": GRU,
     "LayerNormalization": LayerNormalization,
     "LpNormalization": LpNormalization,

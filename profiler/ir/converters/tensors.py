@@ -11,12 +11,15 @@ import math
 
 import numpy as np
 import onnx
+import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from rangeprof.profiler.errors import ConversionError
 from rangeprof.profiler.ir.converters.checked import Resize
 from rangeprof.profiler.ir.converters.common import constant_input, static_dims, stock
+
+_TAKE = tvm.ir.Op.get("relax.take")
 
 
 class OneHot(OnnxOpConverter):
@@ -59,6 +62,27 @@ class EyeLike(OnnxOpConverter):
         if "dtype" in attr:
             dtype = onnx.helper.tensor_dtype_to_np_dtype(attr["dtype"]).name
         return relax.op.eye(dims[0], dims[1], attr.get("k", 0), dtype)
+
+
+class Gather(OnnxOpConverter):
+    """A Gather never reads outside its data. ONNX makes an index past the axis an error; TVM's
+    converter takes in ``fast`` mode, which reads past the table (a token id past a vocabulary
+    crashed the process). Here the take clips: a wrong value, never a crash. Indices that a
+    model input feeds are checked before any work (:mod:`rangeprof.profiler.ir.index_inputs`);
+    the converter has made negative ones positive."""
+
+    @classmethod
+    def get_converter(cls, opset):
+        tvm_convert = stock("Gather", opset)
+
+        def clipped(bb, inputs, attr, params):
+            taken = tvm_convert(bb, inputs, attr, params)
+            if not isinstance(taken, relax.Call) or taken.op != _TAKE:
+                return taken  # folded: a constant, or a dimension of a shape
+            data, indices = taken.args
+            return relax.op.take(data, indices, taken.attrs.axis, mode="clip")
+
+        return clipped
 
 
 class Trilu(OnnxOpConverter):
