@@ -10,6 +10,9 @@ fuses like any epilogue:
 
 * ``erf`` (GELU) is legalized as TOPI's ``fast_erf`` (a rational approximation on ``[-4, 4]``,
   within 4.2e-7 of ``erf`` over ``[-6, 6]``).
+* ``power`` by a constant 2 or 3 (the tanh GELU's ``x³``, older exports' LayerNorm
+  ``(x - mean)²``) is legalized as products, as onnxruntime's Pow computes them: no ``powf``
+  call per element, and none of TVM's warnings of ``pow(x, 3)`` at every compile.
 * :data:`lower_vector_math`, run on every kernel after the schedules, rewrites float32 ``exp``
   as Cephes' ``expf`` (range reduction by ln 2, a degree-7 polynomial, the power of two built in
   the exponent bits: within 2 ulp of libm; below ``log(FLT_MIN)`` it gives 0, as libm's flushed
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax, tirx, topi
@@ -103,6 +107,22 @@ def legalize_erf(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """``erf`` as ``fast_erf`` for float32, TOPI's ``erf`` for other types."""
     x = call.args[0]
     return bb.call_te(topi.fast_erf if str(x.ty.dtype) == "float32" else topi.erf, x)
+
+
+def legalize_power(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """A float ``x ** 2`` or ``x ** 3`` (a scalar constant exponent) as ``x · x (· x)``; any
+    other power as TVM legalizes it."""
+    x, y = call.args
+    value = y.value.numpy() if isinstance(y, tvm.ir.GenericConst) else np.empty(0)
+    exponent = float(value.item()) if value.size == 1 else None
+    if "float" not in str(x.ty.dtype) or exponent not in (2.0, 3.0):
+        return tvm.ir.Op.get("relax.power").get_attr("FLegalize")(bb, call)
+
+    def product(x):
+        square = topi.multiply(x, x)
+        return square if exponent == 2.0 else topi.multiply(square, x)
+
+    return bb.call_te(product, x, primfunc_name_hint="power")
 
 
 def _f32(value: float) -> tirx.PrimExpr:

@@ -22,7 +22,8 @@ integer kernels: :func:`rangeprof.byoc.cpu.integer_rules`). Order of passes, and
    first, then float32 conv2d (grouped by :mod:`.grouped_conv`, row convs, i.e. conv1d, by
    :mod:`.conv1d`, then :mod:`.conv2d`),
    conv2d_transpose (:mod:`.conv_transpose`) and matmul (:mod:`.dense`), float32 ``erf`` as a
-   vectorisable approximation (:mod:`.activations`), ``floor_mod`` (:mod:`.floor_mod`).
+   vectorisable approximation and ``power`` by 2 or 3 as products (:mod:`.activations`),
+   ``floor_mod`` (:mod:`.floor_mod`).
    ``FuseOps`` / ``FuseTIR`` then keep elementwise epilogues in the conv / dense kernels.
 5. :data:`apply_schedules`: per PrimFunc, the first operator rule that recognises it (the
    rules' first, then :mod:`.conv1d`, :mod:`.conv2d`, :mod:`.conv_transpose`, :mod:`.dense`,
@@ -48,6 +49,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from rangeprof.profiler.compile.schedules.activations import (
     as_extrema,
     legalize_erf,
+    legalize_power,
     lower_vector_math,
 )
 from rangeprof.profiler.compile.schedules.conv1d import legalize_row_conv, schedule_row_conv
@@ -192,6 +194,7 @@ def relax_pipeline(
         "relax.nn.conv2d_transpose": legalize_conv2d_transpose,
         "relax.matmul": functools.partial(legalize_matmul, packed={}),
         "relax.erf": legalize_erf,
+        "relax.power": legalize_power,
         "relax.floor_mod": legalize_floor_mod,
         **EXTREMES,
     }
