@@ -2,9 +2,9 @@
 
 An ONNX Gather whose indices are a model input (directly, or through ops that keep every value:
 casts, reshapes) takes them in ``[-n, n)``, ``n`` the gathered axis' extent; anything else is an
-error in ONNX and, in a compiled program, a read outside the table. Knowing the extent before
-any data runs lets the data checks refuse such a value by its sample and position
-(:mod:`rangeprof.profiler.profiling.data`), and random data stay inside it.
+error in ONNX, and our compiled Gather clips it to the table (TVM's own read past it). Knowing
+the extent before any data runs lets the data checks refuse such a value by its sample and
+position (:mod:`rangeprof.profiler.profiling.data`), and random data stay inside it.
 """
 
 from __future__ import annotations

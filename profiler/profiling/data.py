@@ -537,7 +537,8 @@ def _fed(raw: np.ndarray, inp: InputSpec, what: str, first: int, checks: Checks)
 
 def _check_indices(fed: np.ndarray, inp: InputSpec, what: str, first: int) -> None:
     """Refuses an index input's value outside ``[-n, n)`` (ONNX's range for a Gather) by its
-    sample and position: compiled, it would read outside the table."""
+    sample and position: the compiled program would clip it to the table, a wrong value
+    profiled without a word."""
     n = inp.index.extent
     rows = fed.reshape(1 if inp.constant or not fed.ndim else len(fed), -1)
     outside = (rows < -n) | (rows >= n)
