@@ -48,6 +48,7 @@ def build_artifact(
     model, *rest = qm.manifest(modes).items()
     inputs = {
         name: {"shape": list(loaded.input_shapes[name]), "dtype": loaded.input_dtypes[name]}
+        | ({"index": loaded.index_uses[name].to_json()} if name in loaded.index_uses else {})
         for name in loaded.program_inputs
     }
     manifest = dict([model, ("inputs", inputs), *rest])

@@ -21,11 +21,23 @@ class ModelRef(_Open):
     sha256: str
 
 
+class IndexRecord(_Open):
+    """The axis an integer input indexes (:class:`rangeprof.profiler.ir.index_inputs.IndexUse`)."""
+
+    extent: int
+    node: str
+
+
 class InputSpec(_Open):
     """An argument of ``main``: the shape it was built for and its dtype."""
 
     shape: list[int]
     dtype: str
+    index: IndexRecord | None = Field(
+        None,
+        description="For token ids: the axis the input indexes, its values in [-extent, extent). "
+        "Absent in manifests made before, and for other inputs.",
+    )
 
 
 class ActivationRecord(_Open):

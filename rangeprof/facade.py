@@ -364,7 +364,22 @@ class Int8Model:
                     f"{dtype} (shape {list(shape)})"
                 )
             arrays[name] = array.astype(dtype, copy=False)
+            self._check_indices(name, arrays[name])
         return arrays
+
+    def _check_indices(self, name: str, array: np.ndarray) -> None:
+        """Refuses token ids outside the table the input indexes (the build would clip them)."""
+        from rangeprof.profiler.ir.index_inputs import IndexUse
+
+        index = self.manifest.inputs[name].index
+        if index is None:
+            return
+        use = IndexUse(index.extent, index.node)
+        rows = array.reshape(len(array) if array.ndim else 1, -1)
+        found = use.first_outside(rows)
+        if found is not None:
+            row, col = found
+            raise RangeprofError(f"sample {row} " + use.refusal(name, rows[row, col], col))
 
     def _samples(self, arrays: dict[str, np.ndarray]) -> int | None:
         """How many samples ``arrays`` hold along the built batch (``None``: no batch)."""

@@ -1,8 +1,8 @@
 """Integer inputs that index an axis (token ids into an embedding table): a value outside
 ``[-n, n)`` is refused before any work by every face, naming its sample and position (CLI: one
-line, exit 2; Python: a RangeprofError; API: 422 and no run row); random data stays inside the
-table; and an index computed inside the model that falls outside is clipped, never a read past
-the table (it crashed the process)."""
+line, exit 2; Python, profiling or running a build: a RangeprofError; API: 422 and no run row);
+random data stays inside the table; and an index computed inside the model that falls outside
+is clipped, never a read past the table (it crashed the process)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,17 @@ def test_python_refuses_an_id_past_the_table_and_random_ids_stay_inside(model_pa
     (batch,) = open_data("random", [ids], samples=64, batch_size=64).batches()
     assert batch["ids"].min() >= 0 and batch["ids"].max() == 9  # below the table's 10 rows
     rangeprof.profile(model, "random", samples=64)
+
+
+def test_a_built_model_refuses_an_id_past_the_table(model_path, tmp_path):
+    """The manifest records the axis an input indexes; ``Int8Model.run`` refuses what the
+    build would clip."""
+    model = rangeprof.load(model_path)
+    built = rangeprof.quantize(model, {"ids": _ids(None)}, target="x86", out=tmp_path / "b")
+    assert rangeprof.Int8Model.load(tmp_path / "b").manifest.inputs["ids"].index.extent == 10
+    with pytest.raises(RangeprofError, match=r"^sample 2 holds 10 at position 1, outside"):
+        built.run({"ids": _ids()})
+    assert built.run({"ids": _ids(-10)})[0].shape == (4, 4, 3)
 
 
 def test_an_index_computed_past_the_table_is_clipped(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 # Ops whose output holds exactly the values of their first input.
@@ -27,6 +28,22 @@ class IndexUse:
 
     def to_json(self) -> dict:
         return {"extent": self.extent, "node": self.node}
+
+    def first_outside(self, rows: np.ndarray) -> tuple[int, int] | None:
+        """The (row, position) of the first value of the 2-D ``rows`` outside
+        ``[-extent, extent)``, None if there is none."""
+        outside = (rows < -self.extent) | (rows >= self.extent)
+        if not outside.any():
+            return None
+        row = int(np.argmax(outside.any(axis=1)))
+        return row, int(np.argmax(outside[row]))
+
+    def refusal(self, name: str, value, position: int) -> str:
+        """Why input ``name`` cannot hold ``value`` at ``position``."""
+        return (
+            f"holds {value} at position {position}, outside [{-self.extent}, {self.extent - 1}]: "
+            f"input {name!r} indexes an axis of {self.extent} in {self.node!r}"
+        )
 
 
 def _static_dims(graph: onnx.GraphProto) -> dict[str, list[int]]:

@@ -539,18 +539,13 @@ def _check_indices(fed: np.ndarray, inp: InputSpec, what: str, first: int) -> No
     """Refuses an index input's value outside ``[-n, n)`` (ONNX's range for a Gather) by its
     sample and position: the compiled program would clip it to the table, a wrong value
     profiled without a word."""
-    n = inp.index.extent
     rows = fed.reshape(1 if inp.constant or not fed.ndim else len(fed), -1)
-    outside = (rows < -n) | (rows >= n)
-    if not outside.any():
+    found = inp.index.first_outside(rows)
+    if found is None:
         return
-    row = int(np.argmax(outside.any(axis=1)))
-    col = int(np.argmax(outside[row]))
+    row, col = found
     where = f"{what}: " if inp.constant else f"{what}: sample {first + row} "
-    raise DataContentError(
-        f"{where}holds {rows[row, col]} at position {col}, outside [{-n}, {n - 1}]: input "
-        f"{inp.name!r} indexes an axis of {n} in {inp.index.node!r}"
-    )
+    raise DataContentError(where + inp.index.refusal(inp.name, rows[row, col], col))
 
 
 def _check_dtype(what: str, dtype: np.dtype, inp: InputSpec, checks: Checks) -> None:
