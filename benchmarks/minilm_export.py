@@ -46,11 +46,10 @@ class Pooled(torch.nn.Module):
 
 
 def sentences() -> list[str]:
-    """Prose lines of the docs (no tables, code or headings), in file order."""
+    """Lines of the docs over 40 characters but table rows, fences and headings, stripped, in
+    file order."""
     lines = [line.strip() for f in sorted(DOCS.glob("*.md")) for line in f.open()]
-    return [
-        line for line in lines if len(line) > 40 and line[0] not in "|`#" and line[:4] != "    "
-    ]
+    return [line for line in lines if len(line) > 40 and line[0] not in "|`#"]
 
 
 def main() -> None:
