@@ -36,8 +36,8 @@ WINDOW = 3  # the latest timed runs at each count that are compared
 # Runs at the chosen count between two probes of the other: doubled after each probe that
 # keeps the choice, from the first to the last, back to the first after a change.
 FIRST_PROBE, LAST_PROBE = 8, 1024
-# The most of the chosen count's time that the runs lost on a probe may cost: a probe much
-# slower than the choice (two threads under a load: 3-6x) waits that much longer.
+# The largest share of the time between two probes that the time a losing probe lost may be:
+# a probe much slower than the choice (two threads under a load: 3-6x) puts the next one off.
 PROBE_COST = 1 / 32
 _KBIG = 1  # TVM's ThreadGroup::AffinityMode kBig: every core of the fastest kind
 
