@@ -101,9 +101,12 @@ def read_data(
     from rangeprof.profiler.profiling.data import RANDOM, InputSpec, open_data
 
     specs = [
-        InputSpec(i["name"], tuple(i["shape"]), i["dtype"], index=IndexUse(**i["index"]))
-        if "index" in i
-        else InputSpec(i["name"], tuple(i["shape"]), i["dtype"])
+        InputSpec(
+            i["name"],
+            tuple(i["shape"]),
+            i["dtype"],
+            index=IndexUse(**i["index"]) if "index" in i else None,
+        )
         for i in inputs
     ]
     if spec == RANDOM:

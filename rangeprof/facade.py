@@ -374,12 +374,10 @@ class Int8Model:
         index = self.manifest.inputs[name].index
         if index is None:
             return
-        use = IndexUse(index.extent, index.node)
         rows = array.reshape(len(array) if array.ndim else 1, -1)
-        found = use.first_outside(rows)
+        found = IndexUse(index.extent, index.node).refusal(name, rows)
         if found is not None:
-            row, col = found
-            raise RangeprofError(f"sample {row} " + use.refusal(name, rows[row, col], col))
+            raise RangeprofError(f"sample {found[0]} {found[1]}")
 
     def _samples(self, arrays: dict[str, np.ndarray]) -> int | None:
         """How many samples ``arrays`` hold along the built batch (``None``: no batch)."""

@@ -29,20 +29,17 @@ class IndexUse:
     def to_json(self) -> dict:
         return {"extent": self.extent, "node": self.node}
 
-    def first_outside(self, rows: np.ndarray) -> tuple[int, int] | None:
-        """The (row, position) of the first value of the 2-D ``rows`` outside
-        ``[-extent, extent)``, None if there is none."""
+    def refusal(self, name: str, rows: np.ndarray) -> tuple[int, str] | None:
+        """The first row of the 2-D ``rows`` (input ``name``'s samples) holding a value outside
+        ``[-extent, extent)``, and why it cannot; None if every value fits."""
         outside = (rows < -self.extent) | (rows >= self.extent)
         if not outside.any():
             return None
         row = int(np.argmax(outside.any(axis=1)))
-        return row, int(np.argmax(outside[row]))
-
-    def refusal(self, name: str, value, position: int) -> str:
-        """Why input ``name`` cannot hold ``value`` at ``position``."""
-        return (
-            f"holds {value} at position {position}, outside [{-self.extent}, {self.extent - 1}]: "
-            f"input {name!r} indexes an axis of {self.extent} in {self.node!r}"
+        col = int(np.argmax(outside[row]))
+        return row, (
+            f"holds {rows[row, col]} at position {col}, outside [{-self.extent}, "
+            f"{self.extent - 1}]: input {name!r} indexes an axis of {self.extent} in {self.node!r}"
         )
 
 

@@ -540,12 +540,10 @@ def _check_indices(fed: np.ndarray, inp: InputSpec, what: str, first: int) -> No
     sample and position: the compiled program would clip it to the table, a wrong value
     profiled without a word."""
     rows = fed.reshape(1 if inp.constant or not fed.ndim else len(fed), -1)
-    found = inp.index.first_outside(rows)
-    if found is None:
-        return
-    row, col = found
-    where = f"{what}: " if inp.constant else f"{what}: sample {first + row} "
-    raise DataContentError(where + inp.index.refusal(inp.name, rows[row, col], col))
+    found = inp.index.refusal(inp.name, rows)
+    if found is not None:
+        where = f"{what}: " if inp.constant else f"{what}: sample {first + found[0]} "
+        raise DataContentError(where + found[1])
 
 
 def _check_dtype(what: str, dtype: np.dtype, inp: InputSpec, checks: Checks) -> None:
