@@ -7,8 +7,11 @@ is clipped, never a read past the table (it crashed the process)."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import tvm
+from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from typer.testing import CliRunner
 
@@ -83,6 +86,51 @@ def test_an_index_computed_past_the_table_is_clipped(tmp_path):
     vm = relax.VirtualMachine(build(import_onnx(load_model(path)).mod), tvm.cpu())
     out = vm["main"](tvm.runtime.tensor(np.array([[0, 1, 2, 3]], np.int64))).numpy()
     np.testing.assert_array_equal(out, np.maximum(table[[9, 9, 9, 9]], 0)[None])
+
+
+def _gather_model(op: str, indices_shape: tuple, out_shape: tuple, **attrs) -> onnx.ModelProto:
+    """``op`` reading a 4x5 float table at int64 indices given as the input ``ids``."""
+    table = np.arange(20, dtype=np.float32).reshape(4, 5)
+    graph = helper.make_graph(
+        [helper.make_node(op, ["table", "ids"], ["y"], name="g", **attrs)],
+        "gather",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, indices_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
+        [numpy_helper.from_array(table, "table")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs", "ids", "clipped"),
+    [
+        (
+            "GatherElements",
+            {"axis": 1},
+            [[0, -1], [4, 10**9], [-5, 2], [-(10**9), 1]],
+            [[0, 4], [4, 4], [0, 2], [0, 1]],
+        ),
+        (
+            "GatherND",
+            {},
+            [[1, 4], [3, -5], [10**9, 10**9], [-(10**9), 2]],
+            [[1, 4], [3, 0], [3, 4], [0, 2]],
+        ),
+    ],
+)
+def test_gathers_at_indices_past_the_data_clip_and_agree_inside_it(
+    op, attrs, ids, clipped, tmp_path
+):
+    """TOPI's gathers read wherever an index points: an index from data past the table read
+    other memory (or crashed). Inside the table the build agrees with onnxruntime; outside,
+    it reads the nearest edge."""
+    ids, clipped = np.array(ids, np.int64), np.array(clipped, np.int64)
+    shape = (4,) if op == "GatherND" else (4, 2)
+    path = mb.save(_gather_model(op, ids.shape, shape, **attrs), tmp_path)
+    vm = relax.VirtualMachine(build(import_onnx(load_model(path)).mod), tvm.cpu())
+    ours = vm["main"](tvm.runtime.tensor(ids)).numpy()
+    reference = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(ours, reference.run(None, {"ids": clipped})[0])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -25,6 +25,8 @@ from rangeprof.profiler.ir.converters.recurrent import GRU, LSTM, RNN
 from rangeprof.profiler.ir.converters.tensors import (
     EyeLike,
     Gather,
+    GatherElements,
+    GatherND,
     OneHot,
     OptionalHasElement,
     Reshape,
@@ -44,6 +46,8 @@ CONVERTERS: dict[str, type[OnnxOpConverter]] = {
     "Elu": Elu,
     "EyeLike": EyeLike,
     "Gather": Gather,
+    "GatherElements": GatherElements,
+    "GatherND": GatherND,
     "GRU": GRU,
     "LayerNormalization": LayerNormalization,
     "LpNormalization": LpNormalization,

@@ -3,7 +3,8 @@ values given at run time, EyeLike of another type than its input, Trilu of an em
 Reshape to a shape holding 0 under ``allowzero``, Slice before opset 10 (attributes, not
 inputs), Upsample (its scales an input from opset 9), SequenceLength of a bound sequence,
 SequenceInsert at a negative position,
-OptionalHasElement without an input, and ReverseSequence, which TVM's frontend lacks."""
+OptionalHasElement without an input, and ReverseSequence, which TVM's frontend lacks; and the
+gathers (Gather, GatherElements, GatherND), which must never read outside their data."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from rangeprof.profiler.ir.converters.checked import Resize
 from rangeprof.profiler.ir.converters.common import constant_input, static_dims, stock
 
 _TAKE = tvm.ir.Op.get("relax.take")
+_GATHERS = (tvm.ir.Op.get("relax.gather_elements"), tvm.ir.Op.get("relax.gather_nd"))
 
 
 class OneHot(OnnxOpConverter):
@@ -83,6 +85,51 @@ class Gather(OnnxOpConverter):
             return relax.op.take(data, indices, taken.attrs.axis, mode="clip")
 
         return clipped
+
+
+class ClippedGather(OnnxOpConverter):
+    """GatherElements and GatherND clip their indices into the data, as :class:`Gather` does:
+    TOPI's gathers read wherever an index points. The stock converter has made negative indices
+    positive; the upper bound per indexed axis is the data's static extent less one (a data of
+    unknown shape keeps the stock gather)."""
+
+    @classmethod
+    def get_converter(cls, opset):
+        tvm_convert = stock(cls.__name__.removeprefix("Clipped"), opset)
+
+        def clipped(bb, inputs, attr, params):
+            gathered = tvm_convert(bb, inputs, attr, params)
+            if not isinstance(gathered, relax.Call) or gathered.op not in _GATHERS:
+                return gathered
+            data, indices = gathered.args
+            data_dims, index_dims = static_dims(data), static_dims(indices)
+            if data_dims is None or index_dims is None:
+                return gathered
+            bounds = _gather_bounds(gathered, data_dims, index_dims)
+            dtype = str(indices.ty.dtype)
+            high = relax.const(np.asarray(bounds, dtype), dtype)
+            inside = relax.op.minimum(relax.op.maximum(indices, relax.const(0, dtype)), high)
+            return relax.Call(gathered.op, [data, bb.normalize(inside)], gathered.attrs)
+
+        return clipped
+
+
+def _gather_bounds(gathered: relax.Call, data: list[int], indices: list[int]):
+    """The largest index each element of a gather's indices may hold, broadcastable against
+    them: the extent of the gathered axis less one (GatherElements), or of each coordinate's
+    axis (along GatherND's last dimension)."""
+    if gathered.op == _GATHERS[0]:
+        return data[int(gathered.attrs.axis) % len(data)] - 1
+    start = int(gathered.attrs.batch_dims)
+    return [extent - 1 for extent in data[start : start + indices[-1]]]
+
+
+class GatherElements(ClippedGather):
+    """GatherElements, clipped (:class:`ClippedGather`)."""
+
+
+class GatherND(ClippedGather):
+    """GatherND, clipped (:class:`ClippedGather`)."""
 
 
 class Trilu(OnnxOpConverter):
