@@ -7,7 +7,11 @@ else keeps TVM's own legalization and gets the generic schedule):
   build time to ``[O/ob, KH, KW, I, ob]``, ``ob`` output channels (two, one or half a vector
   register of the target, :func:`register_tile`) contiguous, so the innermost loop reads whole
   vectors of weights per input channel. 1×1 convs use the same kernel: their tile covers a row
-  of pixels.
+  of pixels. When the input channels take more than one pass of the reduction
+  (:func:`input_chunk`), weights are ``[O/ob, I/cb, KH, KW, cb, ob]`` and the padded input is
+  copied as ``[N, I/cb, H, W, cb]``: each pass reads two contiguous blocks. Strided by the
+  whole channel count (a power of two), a pass's taps fell into the same L1 sets and evicted
+  each other: 512 channels at 7×7 on a Zen 3 went 15 % faster blocked, 2–4 % elsewhere.
 * **Depthwise conv** (``groups == I == O``): weights repacked to ``[KH, KW, C]``.
 * Padding is an explicit ``conv_pad`` stage.
 
@@ -52,6 +56,7 @@ from rangeprof.profiler.compile.schedules.isa import VectorUnit, vector_unit
 CONV = "conv2d_nhwc_packed"
 DEPTHWISE = "depthwise_conv2d_nhwc"
 PAD = "conv_pad"
+BLOCKED = "conv_input_blocked"
 ACCUMULATOR_BYTES = 16 * 1024  # rows of partial sums kept in L1 across input-channel chunks
 WEIGHT_BYTES = 24 * 1024  # weights of one input-channel chunk, reused from L1 by every tile
 
@@ -88,21 +93,44 @@ def out_size(size, kernel: int, stride: int, dilation: int, before: int, after: 
     return (size + before + after - (kernel - 1) * dilation - 1) // stride + 1
 
 
-def conv2d_nhwc_packed(data, weight, strides, padding, dilation, group_channels: int = 0):
+def conv2d_nhwc_packed(
+    data, weight, strides, padding, dilation, group_channels: int = 0, channel_block: int = 0
+):
     """``out[n, y, x, o] = Σ pad[n, y·s + ky·d, x·s + kx·d, i] · w[o / ob, ky, kx, i, o % ob]``;
     with ``group_channels`` (output channels per group) a grouped conv, whose input channel is
-    ``o // group_channels · I/g + i`` (``I/g`` = the weight's input channels)."""
+    ``o // group_channels · I/g + i`` (``I/g`` = the weight's input channels). With
+    ``channel_block`` the padded input is copied as ``[n, I/cb, H, W, cb]``: the ``cb`` input
+    channels one pass of the reduction reads are contiguous per pixel and per image."""
     n, h, w, _ = data.shape
-    blocks, kh, kw, ci, ob = (int(d) for d in weight.shape)
+    if channel_block:  # [O/ob, I/cb, KH, KW, cb, ob]: a pass's weights contiguous too
+        blocks, chunks, kh, kw, cb, ob = (int(d) for d in weight.shape)
+        ci = chunks * cb
+    else:
+        blocks, kh, kw, ci, ob = (int(d) for d in weight.shape)
     (sh, sw), (dh, dw) = strides, dilation
     oh = out_size(h, kh, sh, dh, padding[0], padding[2])
     ow = out_size(w, kw, sw, dw, padding[1], padding[3])
     padded = pad_nhwc(data, padding)
-    ry, rx, rc = (
-        te.reduce_axis((0, kh), "ry"),
-        te.reduce_axis((0, kw), "rx"),
-        te.reduce_axis((0, ci), "rc"),
-    )
+    ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
+    if channel_block:
+        cb = channel_block
+        _, ph, pw, _ = padded.shape
+        blocked = te.compute(
+            (n, ci // cb, ph, pw, cb),
+            lambda b, c, y, x, i: padded[b, y, x, c * cb + i],
+            name=BLOCKED,
+        )
+        rco, rci = te.reduce_axis((0, ci // cb), "rco"), te.reduce_axis((0, cb), "rci")
+        return te.compute(
+            (n, oh, ow, blocks * ob),
+            lambda b, y, x, o: te.sum(
+                blocked[b, rco, y * sh + ry * dh, x * sw + rx * dw, rci]
+                * weight[o // ob, rco, ry, rx, rci, o % ob],
+                axis=[ry, rx, rco, rci],
+            ),
+            name=CONV,
+        )
+    rc = te.reduce_axis((0, ci), "rc")
 
     def channel(o):
         return o // group_channels * ci + rc if group_channels else rc
@@ -157,8 +185,14 @@ def legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call):
     if attrs.groups == 1:
         _, height, width, _ = (int(d) for d in call.ty.shape)
         ob, _ = register_tile(width if width > 1 else height, out_ch, vector_unit())
-        packed = w.reshape(out_ch // ob, ob, kh, kw, in_per_group).transpose(0, 2, 3, 4, 1)
         kernel = conv2d_nhwc_packed
+        chunk = input_chunk(in_per_group, kh * kw, ob)
+        if chunk < in_per_group:
+            args["channel_block"] = chunk
+            blocked = w.reshape(out_ch // ob, ob, kh, kw, in_per_group // chunk, chunk)
+            packed = blocked.transpose(0, 4, 2, 3, 5, 1)
+        else:
+            packed = w.reshape(out_ch // ob, ob, kh, kw, in_per_group).transpose(0, 2, 3, 4, 1)
     elif in_per_group == 1 and attrs.groups == out_ch:
         packed = w[..., 0].transpose(1, 2, 0)
         kernel = depthwise_conv2d_nhwc
@@ -166,6 +200,11 @@ def legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call):
         return default_legalize(bb, call)
     const = relax.const(np.ascontiguousarray(packed), "float32")
     return bb.call_te(kernel, data, const, primfunc_name_hint=kernel.__name__, **args)
+
+
+def input_chunk(channels: int, taps: int, ob: int) -> int:
+    """Input channels per pass of the reduction: their weights stay in L1 (``WEIGHT_BYTES``)."""
+    return largest_divisor(channels, max(1, WEIGHT_BYTES // (taps * ob * 4)))
 
 
 def find_block(sch: s_tir.Schedule, name: str):
@@ -176,14 +215,19 @@ def find_block(sch: s_tir.Schedule, name: str):
 
 
 def _schedule_pad(sch: s_tir.Schedule) -> None:
-    pad = find_block(sch, PAD)
-    if pad is not None:
-        schedule_spatial(sch, pad)
+    pad, blocked = find_block(sch, PAD), find_block(sch, BLOCKED)
+    if pad is not None and blocked is not None:
+        sch.compute_inline(pad)
+        pad = None
+    for block in (pad, blocked):
+        if block is not None:
+            schedule_spatial(sch, block)
 
 
 def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     """``n, y/Y, o/ob | ci/R, Y, x/T, ky, kx, R, T, ob``: rows of accumulators, L1 weights."""
-    n, y, x, o, ry, rx, rc = sch.get_loops(conv)
+    loops = sch.get_loops(conv)
+    n, y, x, o, ry, rx = loops[:6]
     if extent(sch, x) == 1:  # a 1-D conv along H (Magika's 5×1): the tile runs down the column
         y, x = x, y
     ob = int(sch.get(conv).reads[1].source.ty.shape[-1])
@@ -191,13 +235,16 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     tile = vector_unit().tile(width, ob)
     rows = largest_divisor(extent(sch, y), max(1, ACCUMULATOR_BYTES // (width * ob * 4)))
     taps = extent(sch, ry) * extent(sch, rx)
-    chunk = largest_divisor(extent(sch, rc), max(1, WEIGHT_BYTES // (taps * ob * 4)))
 
-    out = inline_epilogue(sch, conv, keep=(PAD,))
+    out = inline_epilogue(sch, conv, keep=(PAD, BLOCKED))
     yo, yi = sch.split(y, [None, rows])
     xo, xi = sch.split(x, [None, tile])
     oo, oi = sch.split(o, [None, ob])
-    rco, rci = sch.split(rc, [None, chunk])
+    if len(loops) == 8:  # the input blocked by channels: the passes are the blocks
+        rco, rci = loops[6:]
+    else:
+        chunk = input_chunk(extent(sch, loops[6]), taps, ob)
+        rco, rci = sch.split(loops[6], [None, chunk])
     sch.reorder(n, yo, oo, rco, yi, xo, ry, rx, rci, xi, oi)
     outer = sch.fuse(n, yo, oo)
     sch.parallel(outer)
