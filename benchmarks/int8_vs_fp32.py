@@ -57,7 +57,6 @@ from benchmarks.harness import (  # noqa: E402
 )
 from rangeprof.byoc.plugin import get_plugin  # noqa: E402
 from rangeprof.byoc.quantized import (  # noqa: E402
-    profile_moments,
     qparams_from_profile,
     quantize_model,
 )
@@ -81,7 +80,7 @@ def _int8_build(path: Path, profile: dict, method: str, weight_bits: int | None,
     its compile seconds."""
     x86 = get_plugin("x86", weight_bits=weight_bits)
     qparams = qparams_from_profile(profile, x86, method, 99.99)
-    qm = quantize_model(path, qparams, x86, shapes, moments=profile_moments(profile))
+    qm = quantize_model(path, qparams, x86, shapes)
     start = time.perf_counter()
     vm = relax.VirtualMachine(x86.compile(qm.lower()[0]), tvm.cpu())
     return qm, vm, time.perf_counter() - start

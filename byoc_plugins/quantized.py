@@ -10,10 +10,8 @@ the module for any choice of region modes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm
@@ -33,9 +31,6 @@ from .regions import Region, plan_regions
 from .smoothing import Smoothing, dense_stats, smooth
 from .weight_only import WeightOnly
 
-if TYPE_CHECKING:
-    from rangeprof.profiler.profiling.records import ProfileDocument
-
 Moments = dict[str, tuple[float, float]]  # (mean, std) of activations by profileID
 
 
@@ -47,7 +42,6 @@ class QuantizedModel:
     regions: list[Region]
     qparams: dict  # the QPARAMS document used
     bias_correction: dict | None = None  # how the biases were corrected (.bias_correction)
-    moments: Moments | None = None  # the profile's, for weight bits chosen per layer
     smoothing: Smoothing | None = None  # the dense inputs SmoothQuant (or AWQ) scaled
     weight_only: WeightOnly | None = None  # dense layers' weights in 4 bits
 
@@ -72,7 +66,7 @@ class QuantizedModel:
                 f"the qparams are for model {qparams['model']['name']!r} "
                 f"(sha256 {qparams['model']['sha256'][:12]}…), not this file ({sha[:12]}…)"
             )
-        layers = self.imported.layers
+        layers, moments = self.imported.layers, document_moments(qparams)
         if self.smoothing is not None:
             qparams = self.smoothing.qparams(qparams)
             layers = self.smoothing.layers(layers)
@@ -82,12 +76,12 @@ class QuantizedModel:
             self.partitioned, layers, by_id, fp32_fallback, float_outputs, exclude
         )
         stats = dense_stats(qparams) if self.weight_only is not None else {}
-        regions = [self._with_weight_bits(r, stats) for r in regions]
+        regions = [self._with_weight_bits(r, stats, moments) for r in regions]
         return replace(self, regions=regions, qparams=qparams, bias_correction=None)
 
-    def _with_weight_bits(self, region: Region, stats: dict) -> Region:
+    def _with_weight_bits(self, region: Region, stats: dict, moments: Moments) -> Region:
         """``region`` with its weights' bits where the policy chooses them per layer
-        (:func:`~.policy.layer_weight_bits`, from the profile's moments of its input). Only
+        (:func:`~.policy.layer_weight_bits`, from ``moments``: the document's of its input). Only
         dense convs and matmuls run faster on 7-bit weights (a dot product over input
         channels); depthwise and grouped convs keep 8. With ``weight_only``, every dense
         layer's weights are also given in 4 bits (``stats``: the document's dense inputs), its
@@ -101,10 +95,9 @@ class QuantizedModel:
             return region
         bits = 8
         if fr.attrs.get("groups", 1) == 1:
-            moments = (self.moments or {}).get(region.input.profile_id)
             bits = layer_weight_bits(
                 fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output,
-                moments, fr.bias,
+                moments.get(region.input.profile_id), fr.bias,
             )  # fmt: skip
         return replace(region, weight_bits=bits)
 
@@ -164,18 +157,10 @@ class QuantizedModel:
         return doc
 
 
-def profile_moments(profile: ProfileDocument | dict) -> Moments:
-    """The mean and standard deviation of every tensor of ``profile`` (a record or its JSON)
-    that has finite ones."""
-    if isinstance(profile, dict):
-        found = ((t["profile_id"], t.get("mean"), t.get("std")) for t in profile["tensors"])
-    else:
-        found = ((t.profile_id, t.mean, t.std) for t in profile.tensors)
-    return {
-        pid: (float(mean), float(std))
-        for pid, mean, std in found
-        if mean is not None and std is not None and math.isfinite(mean) and math.isfinite(std)
-    }
+def document_moments(qparams: dict) -> Moments:
+    """The ``(mean, std)`` of the activations a QPARAMS document carries from its profile
+    (none in an imported one)."""
+    return {pid: (m["mean"], m["std"]) for pid, m in qparams.get("moments", {}).items()}
 
 
 def qparams_from_profile(profile: dict, plugin: Plugin, method: str, percentile: float) -> dict:
@@ -197,14 +182,13 @@ def quantize_model(
     input_shapes: dict | None = None,
     fp32_fallback: bool = False,
     exclude: tuple[str, ...] = (),
-    moments: Moments | None = None,
     smooth_quant: bool | None = None,
     smooth_alpha: float | None = None,
     weight_only: WeightOnly | None = None,
 ) -> QuantizedModel:
-    """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``;
-    ``moments`` (:func:`profile_moments` of the qparams' profile) let a policy that chooses
-    weight bits per layer narrow them (without: 8 bits). Dense layers' inputs are smoothed
+    """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``,
+    whose activations' moments let a policy that chooses weight bits per layer narrow them
+    (without: 8 bits). Dense layers' inputs are smoothed
     (:func:`~.smoothing.smooth`: ``smooth_quant`` None as the target's policy says, with
     ``smooth_alpha`` or each input's best strength) from the document's statistics;
     ``weight_only``: dense layers' weights in 4 bits, their inputs scaled as AWQ instead.
@@ -221,7 +205,6 @@ def quantize_model(
     )  # fmt: skip
     partitioned = partition(canonical, plugin.patterns())
     unplanned = QuantizedModel(
-        imported, plugin, partitioned, [], qparams, moments=moments, smoothing=smoothing,
-        weight_only=weight_only,
-    )  # fmt: skip
+        imported, plugin, partitioned, [], qparams, smoothing=smoothing, weight_only=weight_only
+    )
     return unplanned.replanned(qparams, fp32_fallback, exclude)

@@ -21,7 +21,7 @@ from tvm import relax
 
 from rangeprof.byoc.artifact import build_artifact
 from rangeprof.byoc.plugin import get_plugin
-from rangeprof.byoc.quantized import profile_moments, qparams_from_profile, quantize_model
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
 from rangeprof.profiler.calibrate.methods import CHOICES
 from rangeprof.service.limits import Limits
 from rangeprof.workflows import quantize
@@ -149,8 +149,7 @@ def test_x86_build_runs_as_an_in_process_build(live, digits, tmp_path):
     profile = live.owner.get(f"/api/runs/{digits.run['id']}/profile").json()
     x86 = get_plugin("x86")
     qparams = qparams_from_profile(profile, x86, "mse", 99.99)
-    moments = profile_moments(profile)  # weight bits per layer, on AVX2 hosts
-    qm = quantize_model(zoo_model("digits_cnn"), qparams, x86, moments=moments)
+    qm = quantize_model(zoo_model("digits_cnn"), qparams, x86)
     in_process = build_artifact(qm, tmp_path)
     same_build(manifest, in_process)
     x = np.load(DIGITS)["test"][:1].astype(np.float32)

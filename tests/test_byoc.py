@@ -35,7 +35,7 @@ from rangeprof.byoc.policy import (
     quantize_weights,
     requantize_reference,
 )
-from rangeprof.byoc.quantized import profile_moments, qparams_from_profile, quantize_model
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
 from rangeprof.cli import app
 from rangeprof.profiler.errors import RangeprofError
 
@@ -420,8 +420,7 @@ def test_cli_build_artifact_loads_and_matches_evaluate(digits_profile, tmp_path)
     x = np.load(SHARED / "data" / "digits.npz")["test"][:1].astype(np.float32)
     deployed = vm["main"](tvm.runtime.tensor(x)).numpy()
     qparams = qparams_from_profile(digits_profile, X86, "mse", 99.99)
-    # the profile's moments, as the CLI's build: weight bits per layer on AVX2 hosts
-    qm = quantize_model(model, qparams, X86, moments=profile_moments(digits_profile))
+    qm = quantize_model(model, qparams, X86)
     mod, _ = qm.lower()  # the CLI's default method: mse
     in_process = relax.VirtualMachine(X86.compile(mod), tvm.cpu())["main"](tvm.runtime.tensor(x))
     assert np.array_equal(deployed, in_process.numpy())

@@ -17,7 +17,7 @@ from tvm import relax
 
 from rangeprof.byoc.plugin import get_plugin
 from rangeprof.byoc.policy import ActivationQ, QuantPolicy, layer_weight_bits, quantize_weights
-from rangeprof.byoc.quantized import profile_moments, qparams_from_profile, quantize_model
+from rangeprof.byoc.quantized import qparams_from_profile, quantize_model
 from rangeprof.byoc.x86 import make_plugin
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
@@ -132,7 +132,7 @@ def test_the_avx2_build_states_its_bits_and_computes_the_integer_reference(
 
     plugin = get_plugin("x86")
     qparams = qparams_from_profile(profile, plugin, "mse", 99.99)
-    qm = quantize_model(path, qparams, plugin, moments=profile_moments(profile))
+    qm = quantize_model(path, qparams, plugin)
     module = qm.lower()[0]
     x = tvm.runtime.tensor(np.load(data)["x"][:1])
     library = str(tmp_path / "art" / manifest.library)
@@ -176,8 +176,9 @@ def test_explicit_bits_win_and_eight_without_statistics_or_on_vnni(
     monkeypatch.setenv(MCPU, mcpu)
     plugin = get_plugin("x86", weight_bits)
     qparams = qparams_from_profile(profile, plugin, "mse", 99.99)
-    stats = profile_moments(profile) if moments else None
-    qm = quantize_model(path, qparams, plugin, moments=stats)
+    if not moments:  # as an imported document: no moments of the inputs
+        del qparams["moments"]
+    qm = quantize_model(path, qparams, plugin)
     assert [r["weight"]["bits"] for r in qm.manifest()["regions"]] == expected
 
 
@@ -187,7 +188,7 @@ def test_layers_on_int16_activations_take_eight_bits(two_convs, monkeypatch):
     monkeypatch.setenv(MCPU, AVX2_CPU)
     plugin = get_plugin("x86")
     qparams = qparams_from_profile(profile, plugin, "mse", 99.99)
-    qm = quantize_model(path, qparams, plugin, moments=profile_moments(profile))
+    qm = quantize_model(path, qparams, plugin)
     first = qm.regions[0]
     assert qm.weight_bits(first, "int8") == 7 and qm.weight_bits(first, "int16") == 8
     assert qm.weight_bits(first, "fp32") is None

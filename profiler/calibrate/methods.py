@@ -82,7 +82,7 @@ from rangeprof.profiler.calibrate.smoothing import dense_input_stats
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.statistics import Histogram, TensorStats, canonical_exponent
 
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 # The clip-range methods; a user may also ask for "best", the one of them that fits each tensor.
 METHODS = ("max", "percentile", "entropy", "mse")
 CHOICES = (*METHODS, "best")
@@ -250,8 +250,25 @@ def calibrate(
         "qparams": [
             qparams_for(entry, options_of(entry)).to_json() for entry in profile["tensors"]
         ],
-        # What a build needs to choose SmoothQuant's scales from the document alone.
+        # What a build needs to choose SmoothQuant's scales and weight bits from the document
+        # alone, as it would from the profile.
         **({"dense_inputs": dense} if dense else {}),
+        **({"moments": moments} if (moments := activation_moments(profile)) else {}),
+    }
+
+
+def activation_moments(profile: dict) -> dict[str, dict[str, float]]:
+    """The mean and standard deviation of every activation of a profile document that has
+    finite ones, by profileID: the input statistics a policy that chooses weight bits per layer
+    reads (:func:`rangeprof.byoc.policy.layer_weight_bits`)."""
+    return {
+        entry["profile_id"]: {"mean": float(entry["mean"]), "std": float(entry["std"])}
+        for entry in profile["tensors"]
+        if entry["kind"] != "weight"
+        and not entry.get("static")
+        and all(isinstance(entry.get(k), int | float) for k in ("mean", "std"))
+        and math.isfinite(entry["mean"])
+        and math.isfinite(entry["std"])
     }
 
 

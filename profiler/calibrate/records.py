@@ -68,15 +68,23 @@ class DenseInputRecord(Record):
     samples: int
 
 
+class MomentsRecord(Record):
+    """An activation's mean and standard deviation, copied from the profile."""
+
+    mean: Number
+    std: Number
+
+
 class QParamsDocument(Record):
     """Quantization parameters by profileID (``rangeprof calibrate``, ``import-qparams``). A
     file (:meth:`from_json` of a path) is checked against the schema first."""
 
-    schema_version: Literal["1.0", "1.1", "1.2", "1.3", "1.4"]
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3", "1.4", "1.5"]
     model: ModelInfo
     options: CalibrationRecord
     qparams: list[QParamsRecord]
     dense_inputs: dict[str, DenseInputRecord] | None = None
+    moments: dict[str, MomentsRecord] | None = None
 
     @classmethod
     def read(cls, path: Path) -> dict:

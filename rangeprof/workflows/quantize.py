@@ -163,10 +163,9 @@ def _check_target(document: QParamsDocument, target: str) -> None:
         )
 
 
-def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin, profile=None):
-    """The model quantized for ``plugin`` with ``qparams`` and the request's exclusions; the
-    ``profile``'s moments choose weight bits per layer where the plugin's policy does."""
-    from rangeprof.byoc.quantized import profile_moments, quantize_model
+def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin):
+    """The model quantized for ``plugin`` with ``qparams`` and the request's exclusions."""
+    from rangeprof.byoc.quantized import quantize_model
 
     qm = quantize_model(
         request.model,
@@ -175,7 +174,6 @@ def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin, profi
         request.input_shapes,
         request.fp32_fallback,
         request.exclude,
-        profile_moments(profile) if profile is not None else None,
         request.smooth_quant,
         request.smooth_alpha,
         _weight_only(request),
@@ -226,11 +224,11 @@ def _runnable_here(plugin):
     return plugin if plugin.runs_here else replace(get_plugin("x86"), policy=plugin.policy)
 
 
-def _host(plugin, request: QuantizeRequest, qm, qparams, profile):
+def _host(plugin, request: QuantizeRequest, qm, qparams):
     """``qm``, or the same model for a plugin that runs here when ``plugin`` is cross-compiled."""
     if plugin.runs_here:
         return qm
-    return _quantized(request, qparams, _runnable_here(plugin), profile)
+    return _quantized(request, qparams, _runnable_here(plugin))
 
 
 def _bias_corrections(
@@ -270,8 +268,8 @@ def build(request: BuildRequest, progress: Progress | None = None, held: Held = 
     report("quantizing", 0, 3)
     profile = _profile(request, held)
     qparams = _ranges(request, profile, held)(request.method)
-    qm = _quantized(request, qparams, plugin, profile)
-    measured = _host(plugin, request, qm, qparams, profile)
+    qm = _quantized(request, qparams, plugin)
+    measured = _host(plugin, request, qm, qparams)
     compiled: dict = {}  # the FP32 program serves bias correction and the budget
     if request.bias_correction is not None:
         corrections, record = _bias_corrections(
@@ -314,7 +312,7 @@ def evaluate(
     for method in methods:
         qparams = ranges(method)
         if qm is None:
-            qm = _quantized(request, qparams, plugin, profile)
+            qm = _quantized(request, qparams, plugin)
         else:
             qm = _replanned(request, qm, qparams)
         if request.bias_correction is not None:
