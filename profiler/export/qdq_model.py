@@ -32,8 +32,10 @@ own pairs is the build of the profile. So:
 Scales and zero points are :func:`~rangeprof.profiler.calibrate.methods.qparams_for` of the
 profile entry whose ``source_tensor`` is the tensor: activations and inputs with the options as
 given; weights and weight transforms (static tensors) **symmetric int8** with the same method,
-granularity and power-of-two rule — what every rangeprof target multiplies, ONNX Runtime's default
-(``WeightSymmetric``) and TensorRT's only choice. Tensors without an entry stay FP32.
+granularity and power-of-two rule — what every rangeprof target multiplies with 8-bit weights,
+ONNX Runtime's default (``WeightSymmetric``) and TensorRT's only choice. (The x86 build on a CPU
+without VNNI narrows some layers' weights to 7 bits by default; the export is its build with
+``--weight-bits 8``.) Tensors without an entry stay FP32.
 
 Per-channel ``DequantizeLinear`` needs opset 13 and 16-bit types opset 21: a model below that is
 converted (``onnx.version_converter``). A profile of a transformed model (``model.transforms``,
