@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from sqlalchemy import and_, func, or_, select
 
-from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, qparams_for
+from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, is_static, qparams_for
 from rangeprof.workflows.options import CalibrationOptions as Asked
 from rangeprof.workflows.profiling import calibration_options
 
@@ -75,7 +75,7 @@ def calibration(
         granularity="per-tensor",
     )
     activations, weights = calibration_options(asked)
-    static = entry is not None and (entry["kind"] == "weight" or entry.get("static", False))
+    static = entry is not None and is_static(entry)
     grid = weights if static and query.scheme is None and query.dtype is None else activations
     return replace(grid, method=method, percentile=query.percentile, granularity="per-tensor")
 

@@ -234,8 +234,7 @@ def calibrate(
     document records the ``target`` whose policy chose the options."""
 
     def options_of(entry: dict) -> CalibrationOptions:
-        static = entry["kind"] == "weight" or entry.get("static", False)
-        return weights if static and weights is not None else options
+        return weights if is_static(entry) and weights is not None else options
 
     recorded = options.to_json()
     if target is not None:
@@ -262,14 +261,20 @@ def activation_moments(profile: dict) -> dict[str, dict[str, float]]:
     finite ones, by profileID: the input statistics a policy that chooses weight bits per layer
     reads (:func:`rangeprof.byoc.policy.layer_weight_bits`)."""
     return {
-        entry["profile_id"]: {"mean": float(entry["mean"]), "std": float(entry["std"])}
+        entry["profile_id"]: {"mean": entry["mean"], "std": entry["std"]}
         for entry in profile["tensors"]
-        if entry["kind"] != "weight"
-        and not entry.get("static")
-        and all(isinstance(entry.get(k), int | float) for k in ("mean", "std"))
+        if not is_static(entry)
+        and entry.get("mean") is not None
+        and entry.get("std") is not None
         and math.isfinite(entry["mean"])
         and math.isfinite(entry["std"])
     }
+
+
+def is_static(entry: dict) -> bool:
+    """Whether a profile entry is a weight or a weight transform (a Gemm's transposed weight):
+    a tensor calibrated on the weights' grid."""
+    return entry["kind"] == "weight" or bool(entry.get("static"))
 
 
 def qparams_for(entry: dict, options: CalibrationOptions) -> QParams:
@@ -283,8 +288,7 @@ def qparams_for(entry: dict, options: CalibrationOptions) -> QParams:
         "dtype": options.dtype,
     }
     channels = stats.per_channel
-    # Static tensors are weights and weight transforms (e.g. a Gemm's transposed weight).
-    weight = entry["kind"] == "weight" or entry.get("static", False)
+    weight = is_static(entry)
     if options.granularity == "per-channel" and weight and channels:
         grids = [
             _grid(*_with_zero(lo, hi), t, options)

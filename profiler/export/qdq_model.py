@@ -53,7 +53,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, version_converter
 
-from rangeprof.profiler.calibrate.methods import DTYPES, CalibrationOptions, QParams, qparams_for
+from rangeprof.profiler.calibrate.methods import (
+    DTYPES,
+    CalibrationOptions,
+    QParams,
+    is_static,
+    qparams_for,
+)
 from rangeprof.profiler.errors import RangeprofError
 
 # Operator -> (its quantized inputs, its bias input or None).
@@ -87,9 +93,8 @@ def qdq_model(
         name = entry["source_tensor"]
         if not name or entry["dtype"] != "float32" or name in params:
             continue
-        is_static = entry["kind"] == "weight" or entry.get("static", False)
-        params[name] = qparams_for(entry, weight_options if is_static else options)
-        if is_static:
+        params[name] = qparams_for(entry, weight_options if is_static(entry) else options)
+        if is_static(entry):
             static.add(name)
         elif params[name].axis is None:
             operands[name] = _operand(params[name])

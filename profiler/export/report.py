@@ -41,7 +41,7 @@ from pathlib import PureWindowsPath
 
 import numpy as np
 
-from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, qparams_for
+from rangeprof.profiler.calibrate.methods import METHODS, CalibrationOptions, is_static, qparams_for
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.statistics import TensorStats
 
@@ -193,8 +193,7 @@ class _Row:
         self.entry = entry
         self.pid = str(entry.get("profile_id"))
         self.stats = TensorStats.from_json(entry)
-        # As qparams_for: static tensors are weights and weight transforms.
-        self.weight = entry.get("kind") == "weight" or bool(entry.get("static"))
+        self.weight = is_static(entry)
         self.qparams: dict[str, dict | None] = {}
         if self.weight:
             self.qparams["max"] = qparams_for(entry, replace(weights, method="max")).to_json()

@@ -234,7 +234,6 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     width = extent(sch, x)
     tile = vector_unit().tile(width, ob)
     rows = largest_divisor(extent(sch, y), max(1, ACCUMULATOR_BYTES // (width * ob * 4)))
-    taps = extent(sch, ry) * extent(sch, rx)
 
     out = inline_epilogue(sch, conv, keep=(PAD, BLOCKED))
     yo, yi = sch.split(y, [None, rows])
@@ -243,7 +242,7 @@ def _schedule_dense(sch: s_tir.Schedule, conv) -> None:
     if len(loops) == 8:  # the input blocked by channels: the passes are the blocks
         rco, rci = loops[6:]
     else:
-        chunk = input_chunk(extent(sch, loops[6]), taps, ob)
+        chunk = input_chunk(extent(sch, loops[6]), extent(sch, ry) * extent(sch, rx), ob)
         rco, rci = sch.split(loops[6], [None, chunk])
     sch.reorder(n, yo, oo, rco, yi, xo, ry, rx, rci, xi, oi)
     outer = sch.fuse(n, yo, oo)

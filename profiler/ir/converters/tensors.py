@@ -95,7 +95,7 @@ class ClippedGather(OnnxOpConverter):
 
     @classmethod
     def get_converter(cls, opset):
-        tvm_convert = stock(cls.__name__.removeprefix("Clipped"), opset)
+        tvm_convert = stock(cls.__name__, opset)  # a subclass named as its operator
 
         def clipped(bb, inputs, attr, params):
             gathered = tvm_convert(bb, inputs, attr, params)
