@@ -85,12 +85,13 @@ class QuantizedModel:
         dense convs and matmuls run faster on 7-bit weights (a dot product over input
         channels); depthwise and grouped convs keep 8. With ``weight_only``, every dense
         layer's weights are also given in 4 bits (``stats``: the document's dense inputs), its
-        default mode; its bits above stand when a plan raises it to 8."""
+        default mode, and 8: it runs on int8 only where a plan widens it for accuracy, which
+        7-bit weights would partly give back."""
         fr = region.float_region
         if fr.weight is None or region.fallback:
             return region
         if self.weight_only is not None and fr.kind == MATMUL:
-            region = replace(region, int4=self._int4(region, stats))
+            return replace(region, int4=self._int4(region, stats), weight_bits=8)
         if self.plugin.policy.weight_bits is not None:
             return region
         bits = 8

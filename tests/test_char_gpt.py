@@ -91,5 +91,6 @@ def test_the_precision_search_meets_half_a_percent(model, profile, data):
     drop = 100 * (report.fp32_metric - report.int8_metric) / abs(report.fp32_metric)
     print("plan:", report.plan, f"bpc +{drop:.3f} %")
     assert drop <= 0.5
-    dense = [layer for layer in report.layers if layer.weight_bits]
-    assert len(report.kept_int8) + len(report.kept_fp32) + len(report.kept_int16) < len(dense)
+    # Not every layer widened: 4 of the 17 stay at 4 bits, on AVX2 and VNNI hosts alike (widened
+    # layers take 8-bit weights on both).
+    assert sum(layer.weight_bits == 4 for layer in report.layers) >= 2
