@@ -26,7 +26,7 @@ from rangeprof.profiler.ir.stages import canonicalized, partition
 from .lowering import FP32, INT16, W4, default_mode, lower
 from .patterns import MATMUL
 from .plugin import Plugin
-from .policy import layer_weight_bits, quantize_weights
+from .policy import WEIGHT_BITS, layer_weight_bits, quantize_weights
 from .regions import Region, plan_regions
 from .smoothing import Smoothing, dense_stats, smooth
 from .weight_only import WeightOnly
@@ -44,6 +44,8 @@ class QuantizedModel:
     bias_correction: dict | None = None  # how the biases were corrected (.bias_correction)
     smoothing: Smoothing | None = None  # the dense inputs SmoothQuant (or AWQ) scaled
     weight_only: WeightOnly | None = None  # dense layers' weights in 4 bits
+    # Weights the policy gives bits per layer take its narrowest (7), for a budget to widen
+    narrowest: bool = False
 
     def lower(self, modes: dict[str, str] | None = None, expose: bool = False):
         """The lowered module and the profileIDs of its exposed outputs (:func:`lower`)."""
@@ -81,7 +83,8 @@ class QuantizedModel:
 
     def _with_weight_bits(self, region: Region, stats: dict, moments: Moments) -> Region:
         """``region`` with its weights' bits where the policy chooses them per layer
-        (:func:`~.policy.layer_weight_bits`, from ``moments``: the document's of its input). Only
+        (:func:`~.policy.layer_weight_bits`, from ``moments``: the document's of its input; with
+        ``narrowest``, 7 for every layer, which an accuracy budget widens where it must). Only
         dense convs and matmuls run faster on 7-bit weights (a dot product over input
         channels); depthwise and grouped convs keep 8. With ``weight_only``, every dense
         layer's weights are also given in 4 bits (``stats``: the document's dense inputs), its
@@ -95,7 +98,9 @@ class QuantizedModel:
         if self.plugin.policy.weight_bits is not None:
             return region
         bits = 8
-        if fr.attrs.get("groups", 1) == 1:
+        if fr.attrs.get("groups", 1) == 1 and self.narrowest:
+            bits = min(WEIGHT_BITS)
+        elif fr.attrs.get("groups", 1) == 1:
             bits = layer_weight_bits(
                 fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output,
                 moments.get(region.input.profile_id), fr.bias,
@@ -186,13 +191,16 @@ def quantize_model(
     smooth_quant: bool | None = None,
     smooth_alpha: float | None = None,
     weight_only: WeightOnly | None = None,
+    narrowest: bool = False,
 ) -> QuantizedModel:
     """Track ``path``, partition it for ``plugin`` and plan every region from ``qparams``,
     whose activations' moments let a policy that chooses weight bits per layer narrow them
     (without: 8 bits). Dense layers' inputs are smoothed
     (:func:`~.smoothing.smooth`: ``smooth_quant`` None as the target's policy says, with
     ``smooth_alpha`` or each input's best strength) from the document's statistics;
-    ``weight_only``: dense layers' weights in 4 bits, their inputs scaled as AWQ instead.
+    ``weight_only``: dense layers' weights in 4 bits, their inputs scaled as AWQ instead;
+    ``narrowest``: the narrowest weight bits where the policy chooses per layer (the start of
+    an accuracy budget's search: the fastest exact kernels, widened where the budget needs).
 
     A QDQ model is built as the FP32 model beneath its pairs (the plugin quantizes it itself;
     ``rangeprof import-qparams`` gives its pairs' scales as ``qparams``)."""
@@ -206,6 +214,7 @@ def quantize_model(
     )  # fmt: skip
     partitioned = partition(canonical, plugin.patterns())
     unplanned = QuantizedModel(
-        imported, plugin, partitioned, [], qparams, smoothing=smoothing, weight_only=weight_only
-    )
+        imported, plugin, partitioned, [], qparams, smoothing=smoothing,
+        weight_only=weight_only, narrowest=narrowest,
+    )  # fmt: skip
     return unplanned.replanned(qparams, fp32_fallback, exclude)

@@ -160,6 +160,32 @@ def test_the_evaluate_report_states_each_layers_bits(two_convs, monkeypatch):
     }
 
 
+def test_a_budget_search_starts_from_seven_bits(two_convs, monkeypatch):
+    """With an accuracy budget every layer starts on 7-bit weights (the fastest exact kernel on
+    AVX2), the second conv too, and only the layers the budget needs are widened: a loose budget
+    widens none; none at all widens the layers that lower the drop (int16 activations, 8-bit
+    weights), the others stay on 7."""
+    path, _, data = two_convs
+    monkeypatch.setenv(MCPU, AVX2_CPU)
+    profile = path.parent / "profile.json"
+
+    def bits(budget):
+        request = EvaluateRequest(
+            model=path, profile=profile, data=f"{data}:x", accuracy_budget=budget
+        )
+        report = quantize.evaluate(request)
+        return report, {layer.profile_id: layer.weight_bits for layer in report.layers}
+
+    loose, loose_bits = bits(100.0)
+    assert loose_bits == {"first.relu": 7, "second.relu": 7}
+    assert not loose.kept_int16 and not loose.kept_fp32
+    tight, tight_bits = bits(0.0)
+    widened = {*tight.kept_int16, *tight.kept_fp32}
+    assert widened
+    assert all(tight_bits[pid] == 8 for pid in tight.kept_int16)
+    assert all(tight_bits[pid] == 7 for pid in tight_bits if pid not in widened)
+
+
 @pytest.mark.parametrize(
     "mcpu, weight_bits, moments, expected",
     [

@@ -164,7 +164,8 @@ def _check_target(document: QParamsDocument, target: str) -> None:
 
 
 def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin):
-    """The model quantized for ``plugin`` with ``qparams`` and the request's exclusions."""
+    """The model quantized for ``plugin`` with ``qparams`` and the request's exclusions; with
+    an accuracy budget, from the narrowest weights (the search widens what it must)."""
     from rangeprof.byoc.quantized import quantize_model
 
     qm = quantize_model(
@@ -177,6 +178,7 @@ def _quantized(request: QuantizeRequest, qparams: QParamsDocument, plugin):
         request.smooth_quant,
         request.smooth_alpha,
         _weight_only(request),
+        narrowest=request.accuracy_budget is not None,
     )
     return _ends_fp32(request, qm)
 
