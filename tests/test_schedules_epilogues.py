@@ -74,7 +74,8 @@ def test_activations_fuse_into_dense_depthwise_and_grouped_convs():
     """Three kernels, one per conv, each with its activation and no transpose between them
     (the HardSwish / HardSigmoid clips once sent the layout back to NCHW), vectorised, no libm
     call; the grouped conv is the packed conv kernel, not TVM's scalar one; the depthwise conv
-    (32 channels: whole vectors) reads its input through the padding test, no padded copy."""
+    (32 channels: whole vectors) reads its input through the padding test, no padded copy; the
+    dense one has one."""
     model = _activated_convs()
     program = lowered(model)
     assert_matches_onnxruntime(model, program)
@@ -89,7 +90,9 @@ def test_activations_fuse_into_dense_depthwise_and_grouped_convs():
     for name in convs:
         assert "T.vectorized(" in scripts[name] and not LIBM.search(scripts[name]), name
     assert 'sblock("conv_pad")' not in scripts[convs[1]]
-    assert 'sblock("conv_pad")' in scripts[convs[0]]  # a dense conv keeps its padded copy
+    # A dense conv keeps its padded copy: channel-blocked where its input channels take more
+    # than one pass of the reduction (on AVX-512 hosts here, whose output blocks are wider).
+    assert re.search(r'sblock\("conv_(pad|input_blocked)"\)', scripts[convs[0]])
 
 
 @pytest.mark.parametrize("alpha", [0.2, 1.5, -0.5])
