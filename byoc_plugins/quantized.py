@@ -97,14 +97,14 @@ class QuantizedModel:
             return replace(region, int4=self._int4(region, stats), weight_bits=8)
         if self.plugin.policy.weight_bits is not None:
             return region
-        bits = 8
-        if fr.attrs.get("groups", 1) == 1 and self.narrowest:
-            bits = min(WEIGHT_BITS)
-        elif fr.attrs.get("groups", 1) == 1:
-            bits = layer_weight_bits(
-                fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output,
-                moments.get(region.input.profile_id), fr.bias,
-            )  # fmt: skip
+        if fr.attrs.get("groups", 1) != 1:
+            return replace(region, weight_bits=8)
+        if self.narrowest:
+            return replace(region, weight_bits=min(WEIGHT_BITS))
+        bits = layer_weight_bits(
+            fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output,
+            moments.get(region.input.profile_id), fr.bias,
+        )  # fmt: skip
         return replace(region, weight_bits=bits)
 
     def _int4(self, region: Region, stats: dict):
