@@ -260,6 +260,7 @@ def layer_weight_bits(
     y: ActivationQ | None,
     moments: tuple[float, float] | None,
     bias: np.ndarray | None = None,
+    input_scales: np.ndarray | None = None,
 ) -> int:
     """A layer's weight bits where the policy chooses per layer: 7 where the noise 7-bit
     weights add to its output (over 8-bit ones, mean over channels) is within the rounding noise
@@ -270,7 +271,11 @@ def layer_weight_bits(
     mean square ``σ² · Σ δ_ci² + μ² · (Σ δ_ci)²`` for inputs of mean ``μ`` and standard
     deviation ``σ`` uncorrelated about their mean. The layer SQNR lost from 8 to 7 bits that
     this predicts was within 1.5 dB of the measured loss on the layers of ResNet-18 and a
-    digits CNN whose outputs are requantized (those leaving in FP32 lose no rounding)."""
+    digits CNN whose outputs are requantized (those leaving in FP32 lose no rounding).
+
+    A smoothed input (SmoothQuant: ``x'_i = x_i / s_i``, the weights' rows multiplied by
+    ``s_i``) has no moments of its own: ``moments`` are then its source's and ``input_scales``
+    the ``s_i``, the error on ``x'_i`` being ``δ_ci / s_i`` on ``x_i``."""
     if y is None or moments is None:
         return 8
     mean, std = moments
@@ -281,6 +286,10 @@ def layer_weight_bits(
         wq, scales = quantize_weights(w, axis, replace(policy, weight_bits=bits), bias, x.scale)
         error = np.moveaxis(wq.astype(np.float64), axis, 0).reshape(channels, -1)
         error = error * scales[:, None] - rows
+        if input_scales is not None:  # in the source's units: rows by input channel
+            error = (
+                error.reshape(channels, len(input_scales), -1) / input_scales[:, None]
+            ).reshape(channels, -1)
         return std**2 * np.square(error).sum(axis=1) + mean**2 * np.square(error.sum(axis=1))
 
     added = float(np.mean(noise(7) - noise(8)))

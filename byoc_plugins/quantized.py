@@ -83,7 +83,8 @@ class QuantizedModel:
 
     def _with_weight_bits(self, region: Region, stats: dict, moments: Moments) -> Region:
         """``region`` with its weights' bits where the policy chooses them per layer
-        (:func:`~.policy.layer_weight_bits`, from ``moments``: the document's of its input; with
+        (:func:`~.policy.layer_weight_bits`, from ``moments``: the document's of its input, or
+        of the tensor a smoothed input scales; with
         ``narrowest``, 7 for every layer, which an accuracy budget widens where it must). Only
         dense convs and matmuls run faster on 7-bit weights (a dot product over input
         channels); depthwise and grouped convs keep 8. With ``weight_only``, every dense
@@ -101,9 +102,10 @@ class QuantizedModel:
             return replace(region, weight_bits=8)
         if self.narrowest:
             return replace(region, weight_bits=min(WEIGHT_BITS))
+        x, scales = input_moments(region, moments, self.smoothing)
         bits = layer_weight_bits(
-            fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output,
-            moments.get(region.input.profile_id), fr.bias,
+            fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output, x,
+            fr.bias, scales,
         )  # fmt: skip
         return replace(region, weight_bits=bits)
 
@@ -161,6 +163,17 @@ class QuantizedModel:
         if bits is not None:
             doc["weight"]["bits"] = bits
         return doc
+
+
+def input_moments(
+    region: Region, moments: Moments, smoothing: Smoothing | None
+) -> tuple[tuple[float, float] | None, np.ndarray | None]:
+    """The ``(mean, std)`` of ``region``'s input, and ``None``; for a smoothed input, whose own
+    profileID's moments (a folded LayerNorm's) are of its values before smoothing or absent (an
+    inserted multiply's), those of the tensor it smooths and the scales it is divided by."""
+    pid = region.input.profile_id
+    source = smoothing.source(pid) if smoothing is not None else None
+    return (moments.get(source[0]), source[1]) if source else (moments.get(pid), None)
 
 
 def document_moments(qparams: dict) -> Moments:
