@@ -274,7 +274,8 @@ def layer_weight_bits(
     digits CNN whose outputs are requantized (those leaving in FP32 lose no rounding).
 
     A smoothed input (SmoothQuant: ``x'_i = x_i / s_i``, the weights' rows multiplied by
-    ``s_i``) has no moments of its own: ``moments`` are then its source's and ``input_scales``
+    ``s_i``) has no moments of its own in the profile (a folded LayerNorm's are of its values
+    before smoothing): ``moments`` are then its source's and ``input_scales``
     the ``s_i``, the error on ``x'_i`` being ``δ_ci / s_i`` on ``x_i``."""
     if y is None or moments is None:
         return 8
