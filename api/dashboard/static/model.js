@@ -109,7 +109,8 @@ async function loadLayers() {
     if (pending) {
       const weightPage = await ask(weights);
       if (request !== shown) return;
-      drawLayers(page, new Map(weightPage.rows.map((row) => [row.profile_id, row.scales])), apart);
+      const weightScales = new Map(weightPage.rows.map((row) => [row.profile_id, row.scales]));
+      fillScales(page.rows.filter(apart), weightScales);
     }
   } finally {
     if (request === shown) tableNode.removeAttribute("aria-busy");
@@ -157,6 +158,21 @@ function drawLayers(page, weightScales, apart) {
   }
   describeCalibration();
   remember();
+}
+
+// The pending scale cells of the drawn `rows`, filled in place from `weightScales`: a row drawn
+// anew under the pointer would lose a click on its link.
+function fillScales(rows, weightScales) {
+  for (const row of rows) {
+    const scales = weightScales.get(row.profile_id);
+    const tr = document.querySelector(`#layers tr[data-profile-id="${CSS.escape(row.profile_id)}"]`);
+    if (!scales || !tr) continue;
+    for (const m of METHODS) {
+      tr.querySelector(`[data-column="scale-${m}"]`).replaceWith(
+        numCell(scales[m], { "data-column": `scale-${m}` }),
+      );
+    }
+  }
 }
 
 function refreshLayers() {
