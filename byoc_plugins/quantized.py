@@ -102,7 +102,7 @@ class QuantizedModel:
             return replace(region, weight_bits=8)
         if self.narrowest:
             return replace(region, weight_bits=min(WEIGHT_BITS))
-        x, scales = input_moments(region, moments, self.smoothing)
+        x, scales = input_statistics(region, moments, self.smoothing)
         bits = layer_weight_bits(
             fr.weight, fr.channel_axis, self.plugin.policy, region.input, region.output, x,
             fr.bias, scales,
@@ -112,9 +112,7 @@ class QuantizedModel:
     def _int4(self, region: Region, stats: dict):
         """The region's weights in 4 bits, clipped by its input's stored statistics (its
         source's, divided by the scales, where the input was scaled)."""
-        pid = region.input.profile_id
-        source = self.smoothing.source(pid) if self.smoothing is not None else None
-        x, scales = (stats.get(source[0]), source[1]) if source else (stats.get(pid), None)
+        x, scales = input_statistics(region, stats, self.smoothing)
         return self.weight_only.quantize(region.float_region.weight, x, scales)
 
     def weight_bits(self, region: Region, mode: str) -> int | None:
@@ -165,15 +163,16 @@ class QuantizedModel:
         return doc
 
 
-def input_moments(
-    region: Region, moments: Moments, smoothing: Smoothing | None
-) -> tuple[tuple[float, float] | None, np.ndarray | None]:
-    """The ``(mean, std)`` of ``region``'s input, and ``None``; for a smoothed input, whose own
-    profileID's moments (a folded LayerNorm's) are of its values before smoothing or absent (an
-    inserted multiply's), those of the tensor it smooths and the scales it is divided by."""
+def input_statistics(
+    region: Region, statistics: dict, smoothing: Smoothing | None
+) -> tuple[object | None, np.ndarray | None]:
+    """``statistics``' entry (moments, dense-input statistics) for ``region``'s input, and
+    ``None``; for a smoothed input, whose own profileID's (a folded LayerNorm's) are of its
+    values before smoothing or absent (an inserted multiply's), the entry of the tensor it
+    smooths and the scales it is divided by."""
     pid = region.input.profile_id
     source = smoothing.source(pid) if smoothing is not None else None
-    return (moments.get(source[0]), source[1]) if source else (moments.get(pid), None)
+    return (statistics.get(source[0]), source[1]) if source else (statistics.get(pid), None)
 
 
 def document_moments(qparams: dict) -> Moments:

@@ -20,7 +20,7 @@ from rangeprof.byoc.plugin import get_plugin
 from rangeprof.byoc.policy import ActivationQ, QuantPolicy, layer_weight_bits, quantize_weights
 from rangeprof.byoc.quantized import (
     document_moments,
-    input_moments,
+    input_statistics,
     qparams_from_profile,
     quantize_model,
 )
@@ -130,7 +130,7 @@ def test_smoothed_layers_take_their_sources_moments(monkeypatch, tmp_path):
     assert {"ln1", "relu#smoothed"} <= {pid for pid, source in smoothed.items() if source}
     for region in weighted:
         source = smoothed[region.input.profile_id]
-        x, scales = input_moments(region, moments, qm.smoothing)
+        x, scales = input_statistics(region, moments, qm.smoothing)
         if source is None:
             assert x == moments[region.input.profile_id] and scales is None
         else:

@@ -93,8 +93,9 @@ def qdq_model(
         name = entry["source_tensor"]
         if not name or entry["dtype"] != "float32" or name in params:
             continue
-        params[name] = qparams_for(entry, weight_options if is_static(entry) else options)
-        if is_static(entry):
+        static_entry = is_static(entry)
+        params[name] = qparams_for(entry, weight_options if static_entry else options)
+        if static_entry:
             static.add(name)
         elif params[name].axis is None:
             operands[name] = _operand(params[name])

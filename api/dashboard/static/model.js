@@ -105,7 +105,7 @@ async function loadLayers() {
     // Weights with scales (profiled by the run) whose view is not the chosen one.
     const apart = (row) => differ && row.kind === "weight" && Object.keys(row.scales).length > 0;
     const pending = page.rows.some(apart);
-    drawLayers(page, pending ? new Map() : null, apart);
+    drawLayers(page, apart);
     if (pending) {
       const weightPage = await ask(weights);
       if (request !== shown) return;
@@ -117,15 +117,14 @@ async function loadLayers() {
   }
 }
 
-// Rows of `page`; rows for which `apart` holds take their scales from `weightScales` (pending,
-// shown as "…", while it lacks them).
-function drawLayers(page, weightScales, apart) {
+// Rows of `page`; rows for which `apart` holds take their scales from a second page, shown as
+// pending ("…") until `fillScales` fills them.
+function drawLayers(page, apart) {
   total = page.total;
   const view = isDefaultView();
   const rows = page.rows.map((row) => {
     const calibration = rowCalibration(row);
-    const separate = apart(row);
-    const scales = separate ? weightScales.get(row.profile_id) : row.scales;
+    const scales = apart(row) ? undefined : row.scales;
     const href = layerHref(modelId, row.profile_id, state.run, view ? undefined : calibration);
     const scaleCells = METHODS.map((m) =>
       scales
