@@ -6,6 +6,7 @@ either count."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -136,9 +137,12 @@ def test_the_choice_follows_the_faster_count(monkeypatch):
     def scenario():
         chooser = threads.AdaptiveThreads(kernel, 2)
         first = (2 * WINDOW + 1) * RUN
-        for _ in range(
-            first + RUN * (FIRST_PROBE + 6 * max(FIRST_PROBE, math.ceil(1 / PROBE_COST)) + 3)
-        ):
+        for _ in range(first - 1):
+            chooser()
+        assert not chooser.settled
+        chooser()
+        assert chooser.settled
+        for _ in range(RUN * (FIRST_PROBE + 6 * max(FIRST_PROBE, math.ceil(1 / PROBE_COST)) + 3)):
             chooser()
         # Runs on the two counts in turn, then two threads with probe runs on one at intervals
         # that double.
@@ -180,6 +184,14 @@ def test_one_thread_wins_through_time_slices_lost(monkeypatch):
     slice to another process, while two threads are steadily slower."""
     one_thread = iter([9.0, 1.0, 9.0])
     kernel = _timed_kernel(monkeypatch, lambda c: next(one_thread, 1.0) if c == 1 else 1.5)
+    _in_a_pool_of_two(monkeypatch, lambda: _first_runs_choose(kernel, 1))
+
+
+def test_two_threads_slowed_at_random_lose_to_one(monkeypatch):
+    """A busy neighbour takes the other core now and then: every run on two threads holds a
+    call faster than one thread's, but their mean is slower."""
+    calls = itertools.count()
+    kernel = _timed_kernel(monkeypatch, lambda c: (0.8, 3.0)[next(calls) % 2] if c == 2 else 1.2)
     _in_a_pool_of_two(monkeypatch, lambda: _first_runs_choose(kernel, 1))
 
 

@@ -31,7 +31,7 @@ from typing import Any
 # awake between two kernels of one call; under contention a yield can last a time slice, and
 # this bounds how long an idle worker holds on (TVM's default, 300000, for minutes).
 SPIN_COUNT = 200
-RUN = 3  # consecutive calls on one count, timed together: the fastest of them
+RUN = 3  # consecutive calls on one count, timed together
 WINDOW = 3  # the latest timed runs at each count that are compared
 # Runs at the chosen count between two probes of the other: doubled after each probe that
 # keeps the choice, from the first to the last, back to the first after a change.
@@ -76,22 +76,27 @@ class AdaptiveThreads:
     """A compiled function run on whichever of ``most`` (more than one) threads and one is
     faster now.
 
-    Calls go in runs of :data:`RUN` on one count, and a run's speed is its fastest call: a core
-    left idle is slow to come back on a shared virtual machine (on a 2-vCPU EPYC, after a pause
-    of a few hundred ms, a worker that sleeps between kernels takes ~10 ms of wake-ups to run at
-    speed), so a lone call on more threads, between calls on one, measures the wake-ups and not
-    the count. After a first untimed call (allocations, the pool's start), runs alternate
-    between the two counts until each has :data:`WINDOW` of them; then runs are on the faster
-    count, and one run now and then, at intervals that double while the choice holds, on the
-    other. One thread's speed is the fastest of its latest runs: other processes only ever slow
-    a call down, by a time slice (ms) here and there. More threads' speed is the median of their
-    latest runs: a load slows most of them, for good. So the choice leans to one thread, which
-    cannot collapse, and runs on more threads are all timed: a load that starts makes them slower
-    than one thread and the choice changes at the end of the second slow run. Runs on one thread
-    that was chosen are not timed, which keeps a small model's calls as cheap as a plain call.
-    A probe faster than the choice is followed at once by another, so a better count (a load
-    that ended, a noisy start) is taken within two runs; a probe slower than the choice puts
-    the next one off until its loss is at most :data:`PROBE_COST` of the time in between."""
+    Calls go in runs of :data:`RUN` on one count. A run on one thread is as fast as its fastest
+    call: other processes only ever slow a call down, by a time slice (ms) here and there. A run
+    on more threads is as fast as the mean of its calls after the first. The first pays the
+    wake-ups: a core left idle is slow to come back on a shared virtual machine (on a 2-vCPU
+    EPYC, after a pause of a few hundred ms, a worker that sleeps between kernels takes ~10 ms
+    to run at speed), so a lone call on more threads, between calls on one, measures the
+    wake-ups and not the count. The mean of the others: a load, or a host that lends the other
+    core away now and then, slows most of them, each by its own amount (on a Zen 3 host the
+    fastest of three two-thread calls beat one thread where their mean was 1.5x slower).
+
+    After a first untimed call (allocations, the pool's start), runs alternate between the two
+    counts until each has :data:`WINDOW` of them; then runs are on the faster count, and one run
+    now and then, at intervals that double while the choice holds, on the other. One thread's
+    speed is the fastest of its latest runs, more threads' the median of theirs. So the choice
+    leans to one thread, which cannot collapse, and runs on more threads are all timed: a load
+    that starts makes them slower than one thread and the choice changes at the end of the
+    second slow run. Runs on one thread that was chosen are not timed, which keeps a small
+    model's calls as cheap as a plain call. A probe faster than the choice is followed at once
+    by another, so a better count (a load that ended, a noisy start) is taken within two runs; a
+    probe slower than the choice puts the next one off until its loss is at most
+    :data:`PROBE_COST` of the time in between."""
 
     def __init__(self, function: Callable, most: int):
         self._function = function
@@ -103,7 +108,13 @@ class AdaptiveThreads:
         self._interval = self._left = FIRST_PROBE  # runs between probes, runs to the next
         self._limit = 0.0  # the other count's speed: a slower run may change the choice
         self._count, self._calls = most, 0  # the run going on: its count, calls left,
-        self._best, self._spent = float("inf"), 0.0  # its fastest timed call, its seconds
+        self._timed: list[float] = []  # its timed calls' seconds
+        self._speed, self._spent = float("inf"), 0.0  # its speed once over, its seconds
+
+    @property
+    def settled(self) -> bool:
+        """Whether the first runs, which alternate between the counts, are over."""
+        return not self._plan and not self._calls
 
     def __call__(self, *args: Any) -> Any:
         if not self._calls:
@@ -118,7 +129,7 @@ class AdaptiveThreads:
         seconds = perf_counter() - start
         self._spent += seconds
         if self._warm:
-            self._best = min(self._best, seconds)
+            self._timed.append(seconds)
         self._warm = True
         if not self._calls:
             self._end_run(count)
@@ -130,12 +141,15 @@ class AdaptiveThreads:
         else:
             self._left -= 1
             self._count = self.threads if self._left >= 0 else self._other
-        self._calls, self._best, self._spent = RUN, float("inf"), 0.0
+        self._calls, self._timed, self._spent = RUN, [], 0.0
 
     def _end_run(self, count: int) -> None:
-        if self._best < float("inf"):
-            self._times[count].append(self._best)
-        if not self._plan and (count != self.threads or self._best > self._limit):
+        later = self._timed[1:] or self._timed
+        self._speed = float("inf")
+        if later:
+            self._speed = min(self._timed) if count == 1 else sum(later) / len(later)
+            self._times[count].append(self._speed)
+        if not self._plan and (count != self.threads or self._speed > self._limit):
             self._decide(count)
 
     def _decide(self, count: int) -> None:
@@ -148,7 +162,7 @@ class AdaptiveThreads:
         self._limit = speed[self._other]
         if self.threads != before:
             self._interval = self._left = FIRST_PROBE
-        elif count != before and self._best < speed[before]:  # a probe faster than the choice
+        elif count != before and self._speed < speed[before]:  # a probe faster than the choice
             self._left = 0
         elif count != before:  # a probe slower than the choice
             lost = self._spent / (RUN * speed[before]) - 1  # in runs at the chosen count
