@@ -123,7 +123,7 @@ def _timed_kernel(monkeypatch, seconds):
 
 def _first_runs_choose(kernel, count: int) -> threads.AdaptiveThreads:
     chooser = threads.AdaptiveThreads(kernel, 2)
-    for _ in range((2 * WINDOW + 1) * RUN):
+    while not chooser.settled:
         chooser()
     assert chooser.threads == count
     return chooser
@@ -193,6 +193,45 @@ def test_two_threads_slowed_at_random_lose_to_one(monkeypatch):
     calls = itertools.count()
     kernel = _timed_kernel(monkeypatch, lambda c: (0.8, 3.0)[next(calls) % 2] if c == 2 else 1.2)
     _in_a_pool_of_two(monkeypatch, lambda: _first_runs_choose(kernel, 1))
+
+
+def test_a_small_models_wake_ups_are_not_timed(monkeypatch):
+    """A 1 ms model on a host whose idle core takes 10 ms to come back: two threads' calls in
+    the first 10 ms after calls on one run at a third of their speed, then twice one thread's."""
+    clock, last = [0.0], {"count": None, "since": 0.0}
+    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
+
+    def kernel():
+        count = tvm.runtime.num_threads()
+        if count != last["count"]:
+            last.update(count=count, since=clock[0])
+        waking = count == 2 and clock[0] - last["since"] < 0.01
+        clock[0] += 0.002 if count == 1 else 0.003 if waking else 0.001
+
+    _in_a_pool_of_two(monkeypatch, lambda: _first_runs_choose(kernel, 2))
+
+
+def test_probes_of_a_tiny_model_under_a_load_cost_little(monkeypatch):
+    """A 20 us model whose calls on two threads are 5x slower: a probe's wake-up calls alone
+    take 10 ms, and the probes that follow are put off until each costs PROBE_COST of the time
+    in between."""
+    spent = {1: 0.0, 2: 0.0}
+
+    def cost(count):
+        seconds = 0.00002 if count == 1 else 0.0001
+        spent[count] += seconds
+        return seconds
+
+    kernel = _timed_kernel(monkeypatch, cost)
+
+    def scenario():
+        chooser = _first_runs_choose(kernel, 1)
+        spent.update({1: 0.0, 2: 0.0})
+        for _ in range(200_000):
+            chooser()
+        assert spent[2] / (spent[1] + spent[2]) < 2 * PROBE_COST
+
+    _in_a_pool_of_two(monkeypatch, scenario)
 
 
 def test_a_slow_start_on_two_threads_is_undone_at_the_first_probe(monkeypatch):

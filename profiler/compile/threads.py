@@ -32,9 +32,13 @@ from typing import Any
 # this bounds how long an idle worker holds on (TVM's default, 300000, for minutes).
 SPIN_COUNT = 200
 RUN = 3  # consecutive calls on one count, timed together
+# Calls on more threads in the first WAKE_S of a run are not timed: the workers' wake-ups on a
+# shared virtual machine (some 10 ms, against a 1 ms model's calls).
+WAKE_S = 0.01
 WINDOW = 3  # the latest timed runs at each count that are compared
 # Runs at the chosen count between two probes of the other: doubled after each probe that
-# keeps the choice, from the first to the last, back to the first after a change.
+# keeps the choice, from the first to the last (or more, for a probe that lost much:
+# PROBE_COST), back to the first after a change.
 FIRST_PROBE, LAST_PROBE = 8, 1024
 # The largest share of the time between two probes that the time a losing probe lost may be:
 # a probe much slower than the choice (two threads under a load: 3-6x) puts the next one off.
@@ -76,18 +80,20 @@ class AdaptiveThreads:
     """A compiled function run on whichever of ``most`` (more than one) threads and one is
     faster now.
 
-    Calls go in runs of :data:`RUN` on one count. A run on one thread is as fast as its fastest
-    call: other processes only ever slow a call down, by a time slice (ms) here and there. A run
-    on more threads is as fast as the mean of its calls after the first. The first pays the
-    wake-ups: a core left idle is slow to come back on a shared virtual machine (on a 2-vCPU
-    EPYC, after a pause of a few hundred ms, a worker that sleeps between kernels takes ~10 ms
-    to run at speed), so a lone call on more threads, between calls on one, measures the
-    wake-ups and not the count. The mean of the others: a load, or a host that lends the other
-    core away now and then, slows most of them, each by its own amount (on a Zen 3 host the
-    fastest of three two-thread calls beat one thread where their mean was 1.5x slower).
+    Calls go in runs on one count. A run on one thread is :data:`RUN` calls, as fast as its
+    fastest: other processes only ever slow a call down, by a time slice (ms) here and there. A
+    run on more threads is as fast as the mean of its :data:`RUN` - 1 calls after its first and
+    after its first :data:`WAKE_S`. Those pay the wake-ups: a core left idle is slow to come
+    back on a shared virtual machine (on a 2-vCPU EPYC, after a pause of a few hundred ms, a
+    worker that sleeps between kernels takes ~10 ms to run at speed), so calls on more threads
+    right after calls on one measure the wake-ups and not the count. The mean of the others: a
+    load, or a host that lends the other core away now and then, slows most of them, each by
+    its own amount (on a Zen 3 host the fastest of three two-thread calls beat one thread where
+    their mean was 1.5x slower).
 
-    After a first untimed call (allocations, the pool's start), runs alternate between the two
-    counts until each has :data:`WINDOW` of them; then runs are on the faster count, and one run
+    The first runs alternate between the two counts (the first on more threads, whose first
+    call, untimed, also pays the allocations and the pool's start) until each has
+    :data:`WINDOW` of them; then runs are on the faster count, and one run
     now and then, at intervals that double while the choice holds, on the other. One thread's
     speed is the fastest of its latest runs, more threads' the median of theirs. So the choice
     leans to one thread, which cannot collapse, and runs on more threads are all timed: a load
@@ -104,11 +110,11 @@ class AdaptiveThreads:
         self._times = {count: deque(maxlen=WINDOW) for count in self._counts}
         self.threads, self._other = most, 1  # the count chosen, the count probed
         self._plan = [most, 1] * WINDOW + [most]  # the first runs' counts, last first
-        self._warm = False
         self._interval = self._left = FIRST_PROBE  # runs between probes, runs to the next
         self._limit = 0.0  # the other count's speed: a slower run may change the choice
-        self._count, self._calls = most, 0  # the run going on: its count, calls left,
-        self._timed: list[float] = []  # its timed calls' seconds
+        self._count, self._calls = most, 0  # the run going on: its count, timed calls left,
+        self._started: float | None = None  # when its first call started,
+        self._timed: list[float] = []  # its timed calls' seconds,
         self._speed, self._spent = float("inf"), 0.0  # its speed once over, its seconds
 
     @property
@@ -119,18 +125,20 @@ class AdaptiveThreads:
     def __call__(self, *args: Any) -> Any:
         if not self._calls:
             self._next_run()
-        self._calls -= 1
         count = self._count
         use_threads(count)
         if count == self.threads == 1 and not self._plan:
+            self._calls -= 1
             return self._function(*args)
         start = perf_counter()
+        if self._started is None:
+            self._started = start
         result = self._function(*args)
         seconds = perf_counter() - start
         self._spent += seconds
-        if self._warm:
+        if count == 1 or start - self._started >= WAKE_S:
             self._timed.append(seconds)
-        self._warm = True
+            self._calls -= 1
         if not self._calls:
             self._end_run(count)
         return result
@@ -141,14 +149,13 @@ class AdaptiveThreads:
         else:
             self._left -= 1
             self._count = self.threads if self._left >= 0 else self._other
-        self._calls, self._timed, self._spent = RUN, [], 0.0
+        self._calls = RUN if self._count == 1 else RUN - 1
+        self._started, self._timed, self._spent = None, [], 0.0
 
     def _end_run(self, count: int) -> None:
-        later = self._timed[1:] or self._timed
-        self._speed = float("inf")
-        if later:
-            self._speed = min(self._timed) if count == 1 else sum(later) / len(later)
-            self._times[count].append(self._speed)
+        timed = self._timed
+        self._speed = min(timed) if count == 1 else sum(timed) / len(timed)
+        self._times[count].append(self._speed)
         if not self._plan and (count != self.threads or self._speed > self._limit):
             self._decide(count)
 
@@ -166,8 +173,8 @@ class AdaptiveThreads:
             self._left = 0
         elif count != before:  # a probe slower than the choice
             lost = self._spent / (RUN * speed[before]) - 1  # in runs at the chosen count
-            wait = max(2 * self._interval, math.ceil(lost / PROBE_COST))
-            self._interval = self._left = min(wait, LAST_PROBE)
+            wait = max(min(2 * self._interval, LAST_PROBE), math.ceil(lost / PROBE_COST))
+            self._interval = self._left = wait
 
 
 _functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
