@@ -161,6 +161,12 @@ def test_the_choice_follows_the_faster_count(monkeypatch):
         while chooser.threads == 2:
             chooser()
         assert len(counts) - start <= 3 * RUN  # by the end of the second slow run
+        # The first probe waits, as after a losing one, by the 3 runs' time a probe loses.
+        start = len(counts)
+        chooser()
+        while counts[-1] == 1:
+            chooser()
+        assert len(counts) - 1 - start > RUN * 3 / PROBE_COST
         start = len(counts)
         for _ in range(3 * RUN * LAST_PROBE):
             chooser()

@@ -102,7 +102,9 @@ class AdaptiveThreads:
     model's calls as cheap as a plain call. A probe faster than the choice is followed at once
     by another, so a better count (a load that ended, a noisy start) is taken within two runs; a
     probe slower than the choice puts the next one off until its loss is at most
-    :data:`PROBE_COST` of the time in between."""
+    :data:`PROBE_COST` of the time in between, and so does a change of the choice after the
+    first runs, by the loss a probe of the count left would make (a load that starts is not
+    probed again a few runs later)."""
 
     def __init__(self, function: Callable, most: int):
         self._function = function
@@ -111,6 +113,7 @@ class AdaptiveThreads:
         self.threads, self._other = most, 1  # the count chosen, the count probed
         self._plan = [most, 1] * WINDOW + [most]  # the first runs' counts, last first
         self._interval = self._left = FIRST_PROBE  # runs between probes, runs to the next
+        self._first_choice = True
         self._limit = 0.0  # the other count's speed: a slower run may change the choice
         self._count, self._calls = most, 0  # the run going on: its count, timed calls left,
         self._started: float | None = None  # when its first call started,
@@ -168,13 +171,17 @@ class AdaptiveThreads:
         self._other = next(c for c in self._counts if c != self.threads)
         self._limit = speed[self._other]
         if self.threads != before:
-            self._interval = self._left = FIRST_PROBE
+            # After the first runs (a noisy start: probed soon), a change means the other count
+            # became slower: probing it costs that much, and waits as a losing probe does.
+            lost = 0.0 if self._first_choice else speed[self._other] / speed[self.threads] - 1
+            self._interval = self._left = max(FIRST_PROBE, math.ceil(lost / PROBE_COST))
         elif count != before and self._speed < speed[before]:  # a probe faster than the choice
             self._left = 0
         elif count != before:  # a probe slower than the choice
             lost = self._spent / (RUN * speed[before]) - 1  # in runs at the chosen count
             wait = max(min(2 * self._interval, LAST_PROBE), math.ceil(lost / PROBE_COST))
             self._interval = self._left = wait
+        self._first_choice = False
 
 
 _functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
