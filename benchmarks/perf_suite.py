@@ -13,8 +13,9 @@ onnxruntime gets ``intra_op_num_threads``. All are timed in rounds of one block 
 a round (``harness.round_ratio``). Then, with a busy-loop process on the last core, the same at
 one thread and at the most: that ratio shows whether more threads hold up under a load. Our
 choice changes at the end of the second slow run on more threads after a load starts (by
-design, ``tests/test_threads.py``); the suite times the steady state under the load, after each
-chooser's first two runs there.
+design, ``tests/test_threads.py``); the suite times the steady state under the load, after
+``2 · RUN`` untimed calls of each chooser there (two runs of a model whose calls take over the
+chooser's ``WAKE_S``).
 
 Printed per model and as geometric means over the models: FP32 ours / ORT FP32, INT8 ours /
 ORT FP32 and / ORT INT8 at each thread count, and most threads / one thread under the load, ours

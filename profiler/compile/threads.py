@@ -93,8 +93,8 @@ class AdaptiveThreads:
 
     The first runs alternate between the two counts (the first on more threads, whose first
     call, untimed, also pays the allocations and the pool's start) until each has
-    :data:`WINDOW` of them; then runs are on the faster count, and one run
-    now and then, at intervals that double while the choice holds, on the other. One thread's
+    :data:`WINDOW` of them; then runs are on the faster count, and one run now and then, at
+    intervals that double while the choice holds, on the other. One thread's
     speed is the fastest of its latest runs, more threads' the median of theirs. So the choice
     leans to one thread, which cannot collapse, and runs on more threads are all timed: a load
     that starts makes them slower than one thread and the choice changes at the end of the
