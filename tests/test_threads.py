@@ -25,6 +25,7 @@ from rangeprof.profiler.compile.threads import (
     FIRST_PROBE,
     LAST_PROBE,
     PROBE_COST,
+    RECHECK_S,
     RUN,
     SPIN_COUNT,
     WINDOW,
@@ -170,7 +171,9 @@ def test_the_choice_follows_the_faster_count(monkeypatch):
         start = len(counts)
         for _ in range(3 * RUN * LAST_PROBE):
             chooser()
-        assert counts[start:].count(2) <= 10 * RUN  # probes only, ever rarer
+        # Probes only, their time at most about PROBE_COST of the whole.
+        probe_time = counts[start:].count(2) * cost[2]
+        assert probe_time <= 1.1 * PROBE_COST * (counts[start:].count(1) * cost[1] + probe_time)
         probes = [i for i in range(start, len(counts)) if counts[i] == 2 and counts[i - 1] == 1]
         # Each loses three runs' time (4x as slow): the next waits for 3 / PROBE_COST runs.
         assert min(np.diff(probes)) > RUN * 3 / PROBE_COST
@@ -251,6 +254,34 @@ def test_a_slow_start_on_two_threads_is_undone_at_the_first_probe(monkeypatch):
         for _ in range(RUN * (FIRST_PROBE + 2)):
             chooser()
         assert chooser.threads == 2
+
+    _in_a_pool_of_two(monkeypatch, scenario)
+
+
+def test_the_end_of_a_long_busy_spell_is_seen_within_a_recheck(monkeypatch):
+    """A 10 ms model: two threads faster on the idle host, 1.5x slower than one during a
+    two-minute busy spell (probes that lose a little, their intervals doubled), faster again
+    once it ends, and chosen within about :data:`RECHECK_S` of that."""
+    busy = [False]
+    clock = [0.0]
+    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
+
+    def kernel():
+        two = tvm.runtime.num_threads() == 2
+        clock[0] += (0.015 if busy[0] else 0.006) if two else 0.010
+
+    def scenario():
+        chooser = _first_runs_choose(kernel, 2)
+        busy[0] = True
+        end = clock[0] + 120.0
+        while clock[0] < end:
+            chooser()
+        assert chooser.threads == 1
+        busy[0] = False
+        end = clock[0]
+        while chooser.threads == 1:
+            chooser()
+        assert clock[0] - end < 1.2 * RECHECK_S
 
     _in_a_pool_of_two(monkeypatch, scenario)
 

@@ -40,6 +40,10 @@ WINDOW = 3  # the latest timed runs at each count that are compared
 # keeps the choice, from the first to the last (or more, for a probe that lost much:
 # PROBE_COST), back to the first after a change.
 FIRST_PROBE, LAST_PROBE = 8, 1024
+# On one thread, whose runs are not timed, only a probe sees a busy spell end: probes that
+# lost little are at most this many seconds apart (doubled up to LAST_PROBE, a 10 ms model's
+# are 30 s apart).
+RECHECK_S = 1.0
 # The largest share of the time between two probes that the time a losing probe lost may be:
 # a probe much slower than the choice (two threads under a load: 3-6x) puts the next one off.
 PROBE_COST = 1 / 32
@@ -94,8 +98,9 @@ class AdaptiveThreads:
     The first runs alternate between the two counts (the first on more threads, whose first
     call, untimed, also pays the allocations and the pool's start) until each has
     :data:`WINDOW` of them; then runs are on the faster count, and one run now and then, at
-    intervals that double while the choice holds, on the other. One thread's
-    speed is the fastest of its latest runs, more threads' the median of theirs. So the choice
+    intervals that double while the choice holds (on one thread, at most :data:`RECHECK_S`
+    apart), on the other. One thread's speed is the fastest of its latest runs, more threads'
+    the median of theirs. So the choice
     leans to one thread, which cannot collapse, and runs on more threads are all timed: a load
     that starts makes them slower than one thread and the choice changes at the end of the
     second slow run. Runs on one thread that was chosen are not timed, which keeps a small
@@ -179,9 +184,16 @@ class AdaptiveThreads:
             self._left = 0
         elif count != before:  # a probe slower than the choice
             lost = self._spent / (RUN * speed[before]) - 1  # in runs at the chosen count
-            wait = max(min(2 * self._interval, LAST_PROBE), math.ceil(lost / PROBE_COST))
+            longest = LAST_PROBE if before != 1 else self._recheck_runs(speed[before])
+            wait = max(min(2 * self._interval, longest), math.ceil(lost / PROBE_COST))
             self._interval = self._left = wait
         self._first_choice = False
+
+    @staticmethod
+    def _recheck_runs(seconds: float) -> int:
+        """The most runs of ``seconds`` calls on one thread between probes that lost little:
+        :data:`RECHECK_S` of them (more threads' runs are timed, and see a load start)."""
+        return min(LAST_PROBE, max(FIRST_PROBE, math.ceil(RECHECK_S / (RUN * seconds))))
 
 
 _functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
