@@ -186,21 +186,31 @@ class RunData(BaseModel):
     sha256: str | None
 
 
-class RunOut(BaseModel):
+class _Job(BaseModel):
+    """What every job of the service reports: a profiling run, an evaluation, a build."""
+
     id: int
-    model_id: int
     status: RunStatus
-    progress: float = Field(ge=0, le=1, description="Share of the samples profiled.")
+    progress: float = Field(
+        ge=0,
+        le=1,
+        description="Share done: of a run's samples, of an evaluation's current phase, of a "
+        "build's steps.",
+    )
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None = Field(description="Why the job failed.")
+
+
+class RunOut(_Job):
+    model_id: int
     samples_done: int
     samples_total: int | None
     options: RunOptions
     data: RunData
     request: ProfileRequest = Field(description=_REQUEST)
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
     timings: dict[str, float] | None = Field(description="Seconds, from the profile.")
-    error: str | None = Field(description="Why the run failed.")
 
 
 # Calibration and exports
@@ -396,26 +406,24 @@ class NpzRef(BaseModel):
     sha256: str
 
 
-class EvaluationSummary(BaseModel):
-    id: int
+class _QuantizeJob(_Job):
+    """An evaluation's or a build's: the target and weights asked for."""
+
+    target: str
+    weight_bits: int | None = Field(description="null: the target's choice, per layer.")
+
+
+class EvaluationSummary(_QuantizeJob):
     run_id: int
     source: Literal["service", "report"] = Field(
         description="Computed by the service, or an uploaded `rangeprof evaluate --json`."
     )
-    status: RunStatus
-    progress: float = Field(ge=0, le=1, description="Share of the current phase done.")
     phase: str | None = Field(description="compiling fp32 / int8 / shadow, evaluating.")
     method: str = Field(description="As asked (all: see the report's method and methods).")
-    target: str
-    weight_bits: int | None = Field(description="null: the target's choice, per layer.")
     percentile: float | None = Field(description="null for uploaded reports.")
     samples: int | None
     data: NpzRef | None
     labels: NpzRef | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None = Field(description="Why the evaluation failed.")
     output_sqnr_db: float | None = Field(description="From the report, once done.")
     agreement: float | None
     int8_top1: float | None
@@ -471,29 +479,20 @@ class BuildUpload(BuildOptions):
     )
 
 
-class BuildSummary(BaseModel):
-    id: int
+class BuildSummary(_QuantizeJob):
     model_id: int
     run_id: int | None
     qparams_id: int | None
-    target: str
     method: str | None = Field(description="null when built from stored qparams.")
     percentile: float | None
-    weight_bits: int | None = Field(description="null: the target's choice, per layer.")
     data: NpzRef | None = Field(description="The accuracy budget's evaluation data.")
     labels: NpzRef | None
-    status: RunStatus
-    progress: float = Field(ge=0, le=1, description="Share of the steps done.")
     phase: str | None = Field(
         description="quantizing, compiling, packing (with an accuracy budget, first the "
         "evaluation's: compiling fp32 / int8 / shadow, evaluating)."
     )
     artifact_sha256: str | None = Field(description="Of the zip, once done.")
     timings: dict[str, Any] | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None = Field(description="Why the build failed.")
     request: BuildRequest = Field(description=_REQUEST)
 
 
