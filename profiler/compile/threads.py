@@ -96,18 +96,17 @@ class AdaptiveThreads:
     their mean was 1.5x slower).
 
     The first runs alternate between the two counts (the first on more threads, whose first
-    call, untimed, also pays the allocations and the pool's start) until each has
-    :data:`WINDOW` of them; then runs are on the faster count, and one run now and then, at
-    intervals that double while the choice holds (on one thread, at most :data:`RECHECK_S`
-    apart), on the other. One thread's speed is the fastest of its latest runs, more threads'
-    the median of theirs. So the choice
-    leans to one thread, which cannot collapse, and runs on more threads are all timed: a load
-    that starts makes them slower than one thread and the choice changes at the end of the
-    second slow run. Runs on one thread that was chosen are not timed, which keeps a small
-    model's calls as cheap as a plain call. A probe faster than the choice is followed at once
-    by another, so a better count (a load that ended, a noisy start) is taken within two runs; a
-    probe slower than the choice puts the next one off until its loss is at most
-    :data:`PROBE_COST` of the time in between, and so does a change of the choice after the
+    call, untimed, also pays the allocations and the pool's start) until each has :data:`WINDOW`
+    of them; then runs are on the faster count, and one run now and then, at intervals that
+    double while the choice holds (on one thread, at most :data:`RECHECK_S` apart), on the
+    other. One thread's speed is the fastest of its latest runs, more threads' the median of
+    theirs. So the choice leans to one thread, which cannot collapse, and runs on more threads
+    are all timed: a load that starts makes them slower than one thread and the choice changes
+    at the end of the second slow run. Runs on one thread that was chosen are not timed, which
+    keeps a small model's calls as cheap as a plain call. A probe faster than the choice is
+    followed at once by another, so a better count (a load that ended, a noisy start) is taken
+    within two runs; a probe slower than the choice puts the next one off until its loss is at
+    most :data:`PROBE_COST` of the time in between, and so does a change of the choice after the
     first runs, by the loss a probe of the count left would make (a load that starts is not
     probed again a few runs later)."""
 
