@@ -207,16 +207,16 @@ def test_two_threads_slowed_at_random_lose_to_one(monkeypatch):
 def test_a_small_models_wake_ups_are_not_timed(monkeypatch):
     """A 1 ms model on a host whose idle core takes 10 ms to come back: two threads' calls in
     the first 10 ms after calls on one run at a third of their speed, then twice one thread's."""
-    clock, last = [0.0], {"count": None, "since": 0.0}
-    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
+    last = {"count": None, "since": 0.0}
 
-    def kernel():
-        count = tvm.runtime.num_threads()
+    def seconds(count):
+        now = threads.perf_counter()
         if count != last["count"]:
-            last.update(count=count, since=clock[0])
-        waking = count == 2 and clock[0] - last["since"] < 0.01
-        clock[0] += 0.002 if count == 1 else 0.003 if waking else 0.001
+            last.update(count=count, since=now)
+        waking = count == 2 and now - last["since"] < 0.01
+        return 0.002 if count == 1 else 0.003 if waking else 0.001
 
+    kernel = _timed_kernel(monkeypatch, seconds)
     _in_a_pool_of_two(monkeypatch, lambda: _first_runs_choose(kernel, 2))
 
 
@@ -263,25 +263,22 @@ def test_the_end_of_a_long_busy_spell_is_seen_within_a_recheck(monkeypatch):
     two-minute busy spell (probes that lose a little, their intervals doubled), faster again
     once it ends, and chosen within about :data:`RECHECK_S` of that."""
     busy = [False]
-    clock = [0.0]
-    monkeypatch.setattr(threads, "perf_counter", lambda: clock[0])
-
-    def kernel():
-        two = tvm.runtime.num_threads() == 2
-        clock[0] += (0.015 if busy[0] else 0.006) if two else 0.010
+    kernel = _timed_kernel(
+        monkeypatch, lambda c: (0.015 if busy[0] else 0.006) if c == 2 else 0.010
+    )
 
     def scenario():
         chooser = _first_runs_choose(kernel, 2)
         busy[0] = True
-        end = clock[0] + 120.0
-        while clock[0] < end:
+        end = threads.perf_counter() + 120.0
+        while threads.perf_counter() < end:
             chooser()
         assert chooser.threads == 1
         busy[0] = False
-        end = clock[0]
+        end = threads.perf_counter()
         while chooser.threads == 1:
             chooser()
-        assert clock[0] - end < 1.2 * RECHECK_S
+        assert threads.perf_counter() - end < 1.2 * RECHECK_S
 
     _in_a_pool_of_two(monkeypatch, scenario)
 
