@@ -8,8 +8,9 @@ service's own (``RANGEPROF_DB``, ``RANGEPROF_STORAGE``) are in :mod:`rangeprof.s
 ``RANGEPROF_NPU_SRAM_KB``      the NPU's on-chip buffer (default 256), read when the plugin is
                                obtained (``get_plugin("npu")``)
 ``RANGEPROF_AARCH64_RUNTIME``  the TVM runtime for aarch64 under qemu (default: in the cache)
-``RANGEPROF_X86_MCPU``         the x86 CPU builds are for, an LLVM name (``znver3``: AVX2, no
-                               VNNI); default this machine's; read when the plugin is obtained
+``RANGEPROF_X86_MCPU``         the x86 CPU builds are for, an LLVM name (``haswell`` or
+                               ``znver3``: AVX2, no VNNI); default this machine's; read when
+                               the plugin is obtained
 ``XDG_CACHE_HOME``             where the default caches go (default ``~/.cache``)
 =============================  ==============================================================
 

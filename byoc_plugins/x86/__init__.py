@@ -1,7 +1,7 @@
 """x86: INT8 conv2d (dense, depthwise, 1×1), dense / matmul and matmuls of two activations
 (attention's batch matmuls) compiled by LLVM for an x86 CPU: this machine's, or the one
-``$RANGEPROF_X86_MCPU`` names (:func:`make_plugin`; e.g. ``znver3`` to build for AVX2 hosts
-here).
+``$RANGEPROF_X86_MCPU`` names (:func:`make_plugin`; e.g. ``haswell`` to build for AVX2 hosts
+here: AMD names' code holds SSE4A, which Intel hosts lack).
 
 The integer cores are inlined into the program and built by the CPU build of the pipeline with
 the integer kernels of :mod:`rangeprof.byoc.cpu`, on the dot-product instruction x86 chooses for
