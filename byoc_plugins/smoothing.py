@@ -6,9 +6,13 @@ from their smoothed ranges — no data run.
 It runs after the canonical stages, just before partitioning: FoldScaleAxis would fold an
 inserted ``X · (1/s)`` back into the dense weights it precedes. The error estimate is made on
 the target's grid (its activation scheme, its weights' largest level), so a tensor is smoothed
-only where that target's INT8 error drops. The smoothed tensors' qparams are ``max`` ranges of
-their smoothed channels (the estimate's own model), on the document's activation grid whatever
-method calibrated the rest: their histograms were never observed.
+only where that target's INT8 error drops. Where the target chooses weight bits per layer (x86
+on AVX2), that grid is its narrowest, 7-bit weights: the bits it prefers, chosen after the
+smoothing, for each layer whose error budget allows them (on char_gpt built for AVX2, one more
+layer kept the faster 7-bit kernel and bpc fell from 1.3399 to 1.3393; FP32 1.3346). The
+smoothed tensors' qparams are ``max`` ranges of their smoothed channels (the estimate's own
+model), on the document's activation grid whatever method calibrated the rest: their histograms
+were never observed.
 """
 
 from __future__ import annotations
@@ -30,15 +34,16 @@ from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.ir.passes.smooth_quant import SMOOTHED, Site, dense_inputs, smooth_quant
 from rangeprof.profiler.ir.tagging import LayerRecord
 
-from .policy import QuantPolicy
+from .policy import WEIGHT_BITS, QuantPolicy
 from .weight_only import WeightOnly, plan_awq
 
 SMOOTH_QUANT, AWQ = "smooth_quant", "awq"
 
 
 def target_grid(policy: QuantPolicy) -> Grid:
-    """The grid ``policy``'s kernels quantize a dense layer on."""
-    return Grid(policy.activation_scheme, policy.weight_max)
+    """The grid ``policy``'s kernels quantize a dense layer on: where it chooses weight bits per
+    layer, its narrowest."""
+    return Grid(policy.activation_scheme, policy.for_layer(min(WEIGHT_BITS)).weight_max)
 
 
 @dataclass(frozen=True)
