@@ -20,14 +20,18 @@ Here every block is computed per row of the output, right before that row's epil
   into a row-sized buffer: exp is evaluated once per element, and the row stays in cache between
   the sum and the division. Everything else is inlined (the division into a fused quantize).
 
-Softmax's ``exp`` is vectorised arithmetic (:data:`~.activations.lower_vector_math`).
+Softmax's ``exp`` is vectorised arithmetic (:data:`~.activations.lower_vector_math`). Softmax
+over the last axis is legalized as TOPI's but for its normalization (:func:`legalize_softmax`):
+each ``exp`` times the reciprocal of its row's sum, one division per row, as onnxruntime's MLAS
+normalizes, instead of one per element (a vector division costs what a dozen multiplies do).
 """
 
 from __future__ import annotations
 
 import math
 
-from tvm import s_tir, tirx
+import tvm
+from tvm import relax, s_tir, te, tirx
 
 from rangeprof.profiler.compile.schedules.elementwise import (
     PARALLEL_MIN,
@@ -37,6 +41,27 @@ from rangeprof.profiler.compile.schedules.elementwise import (
     largest_divisor,
     root_blocks,
 )
+
+
+def _softmax(x: te.Tensor) -> te.Tensor:
+    """TOPI's softmax over the last axis, its blocks and their names, the division by the row's
+    sum a product with its reciprocal (within an ulp of the quotient)."""
+    *rows, width = x.shape
+    k1, k2 = te.reduce_axis((0, width), "k"), te.reduce_axis((0, width), "k")
+    maxelem = te.compute(rows, lambda *r: te.max(x[(*r, k1)], axis=k1), name="T_softmax_maxelem")
+    exp = te.compute(x.shape, lambda *i: te.exp(x[i] - maxelem[i[:-1]]), name="T_softmax_exp")
+    expsum = te.compute(rows, lambda *r: te.sum(exp[(*r, k2)], axis=k2), name="T_softmax_expsum")
+    one = tirx.const(1.0, x.dtype)
+    return te.compute(x.shape, lambda *i: exp[i] * (one / expsum[i[:-1]]), name="T_softmax_norm")
+
+
+def legalize_softmax(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """``softmax`` of float32 over its last axis as :func:`_softmax`; others as TVM's."""
+    x = call.args[0]
+    if str(x.ty.dtype) == "float32" and int(call.attrs.axis) in (-1, x.ty.ndim - 1):
+        return bb.call_te(_softmax, x, primfunc_name_hint="softmax")
+    return tvm.ir.Op.get("relax.nn.softmax").get_attr("FLegalize")(bb, call)
+
 
 # Rows whose reductions run side by side: a row's sums are chains of dependent adds (16
 # partial sums, then across the lanes), 4-cycle latency each, which one row alone leaves idle.

@@ -68,7 +68,10 @@ from rangeprof.profiler.compile.schedules.embedding import one_hot_gathers
 from rangeprof.profiler.compile.schedules.extremes import LEGALIZE as EXTREMES
 from rangeprof.profiler.compile.schedules.floor_mod import legalize_floor_mod
 from rangeprof.profiler.compile.schedules.grouped_conv import legalize_grouped_conv2d
-from rangeprof.profiler.compile.schedules.normalization import schedule_normalization
+from rangeprof.profiler.compile.schedules.normalization import (
+    legalize_softmax,
+    schedule_normalization,
+)
 from rangeprof.profiler.compile.schedules.pooling import schedule_pooling
 from rangeprof.profiler.compile.schedules.resize import schedule_resize
 from rangeprof.profiler.ir.passes.canonicalize import Canonicalize
@@ -194,6 +197,7 @@ def relax_pipeline(
         "relax.nn.conv2d_transpose": legalize_conv2d_transpose,
         "relax.matmul": functools.partial(legalize_matmul, packed={}),
         "relax.erf": legalize_erf,
+        "relax.nn.softmax": legalize_softmax,
         "relax.power": legalize_power,
         "relax.floor_mod": legalize_floor_mod,
         **EXTREMES,
