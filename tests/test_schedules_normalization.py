@@ -13,7 +13,10 @@ from tvm import relax, s_tir
 
 from rangeprof.profiler.compile.schedules import build
 from rangeprof.profiler.compile.schedules.activations import lower_vector_math
-from rangeprof.profiler.compile.schedules.normalization import schedule_normalization
+from rangeprof.profiler.compile.schedules.normalization import (
+    legalize_softmax,
+    schedule_normalization,
+)
 
 from relax_builders import single_input_module
 
@@ -52,9 +55,10 @@ def _run(mod, x):
     return vm["main"](tvm.runtime.tensor(x)).numpy()
 
 
-def _scheduled(mod):
-    """The legalized kernel of ``mod`` after the rule (asserting that it claims it)."""
-    legal = relax.transform.LegalizeOps()(mod)
+def _scheduled(mod, legalize=None):
+    """The legalized kernel of ``mod`` (TVM's legalization, or ``legalize``'s) after the rule
+    (asserting that it claims it)."""
+    legal = relax.transform.LegalizeOps(customize_legalize_map=legalize)(mod)
     func = next(f for _, f in legal.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
     sch = s_tir.Schedule(func)
     assert schedule_normalization(sch)
@@ -89,6 +93,17 @@ def test_rule_claims_row_reductions(kind):
     assert script.count("T.parallel(") == 1
     assert "_rf" in script and "T.vectorized(T.int64(16))" in script
     assert "T.exp(" not in script
+
+
+def test_softmax_divides_once_per_row():
+    """Our legalization normalizes by the reciprocal of the row's sum, as onnxruntime's MLAS
+    does: the output divides only the sum, where TVM's divides every exp by it."""
+    mod, _ = _softmax((1, 4, 128, 128))
+    for legalize, per_row in ((None, False), ({"relax.nn.softmax": legalize_softmax}, True)):
+        script = _scheduled(mod, legalize)
+        norm = [line for line in script.splitlines() if line.strip().startswith("T_softmax_norm[")]
+        assert len(norm) == 1 and norm[0].count(" / ") == 1
+        assert ("T.float32(1.0) / T_softmax_expsum[" in norm[0]) == per_row
 
 
 def test_odd_width_stays_serial_but_per_row():

@@ -24,7 +24,9 @@ from rangeprof.byoc.quantized import (
     qparams_from_profile,
     quantize_model,
 )
+from rangeprof.byoc.smoothing import target_grid
 from rangeprof.byoc.x86 import make_plugin
+from rangeprof.profiler.calibrate.smoothing import Grid
 from rangeprof.profiler.errors import RangeprofError
 from rangeprof.profiler.profiling.run import ProfileOptions, profile_model
 from rangeprof.workflows import quantize
@@ -110,6 +112,16 @@ def test_a_smoothed_input_is_judged_in_its_source_units():
         assert smoothed == plain
         seen.add(plain)
     assert seen == {7, 8}
+
+
+def test_smoothing_is_planned_for_the_bits_the_layers_prefer(monkeypatch):
+    """Where x86 chooses bits per layer (AVX2), SmoothQuant's strengths are chosen for 7-bit
+    weights, which the rule prefers; where every layer has 8 bits (VNNI, or asked), for 8."""
+    monkeypatch.setenv(MCPU, AVX2_CPU)
+    assert target_grid(get_plugin("x86").policy) == Grid("asym", 63)
+    assert target_grid(get_plugin("x86", weight_bits=8).policy) == Grid("asym", 127)
+    monkeypatch.setenv(MCPU, "znver4")
+    assert target_grid(get_plugin("x86").policy) == Grid("asym", 127)
 
 
 def test_smoothed_layers_take_their_sources_moments(monkeypatch, tmp_path):
