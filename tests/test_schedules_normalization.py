@@ -95,7 +95,7 @@ def test_rule_claims_row_reductions(kind):
     assert "T.exp(" not in script
 
 
-def test_softmax_divides_once_per_row():
+def test_softmax_divides_only_the_row_sum():
     """Our legalization normalizes by the reciprocal of the row's sum, as onnxruntime's MLAS
     does: the output divides only the sum, where TVM's divides every exp by it."""
     mod, _ = _softmax((1, 4, 128, 128))

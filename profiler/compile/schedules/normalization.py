@@ -22,8 +22,9 @@ Here every block is computed per row of the output, right before that row's epil
 
 Softmax's ``exp`` is vectorised arithmetic (:data:`~.activations.lower_vector_math`). Softmax
 over the last axis is legalized as TOPI's but for its normalization (:func:`legalize_softmax`):
-each ``exp`` times the reciprocal of its row's sum, one division per row, as onnxruntime's MLAS
-normalizes, instead of one per element (a vector division costs what a dozen multiplies do).
+each ``exp`` times the reciprocal of its row's sum, as onnxruntime's MLAS normalizes: a scalar
+division per vector of the row (LLVM broadcasts it) instead of a vector division, which costs
+what a dozen multiplies do.
 """
 
 from __future__ import annotations
